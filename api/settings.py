@@ -1,0 +1,31 @@
+"""API process settings: environment variables `FERRY_*` (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ApiSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "ferry"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # API keys: comma-separated "sha256hex:tenant" pairs, or a file with one pair per line.
+    # With neither set the API runs open (and says so loudly at start-up).
+    api_keys: str | None = None
+    api_keys_file: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_queue_len: int = 10_000  # 429 above this many waiting jobs for a model
+    job_ttl_s: float = 3600.0
+    job_timeout_s: float = 600.0
+    result_ttl_s: int = 86400
+    sse_keepalive_s: float = 15.0
+
+    # Webhooks (the Celery app in worker/webhooks.py reads the same variables)
+    webhook_secret: str | None = None  # "whsec_<base64>"
+    webhook_retry_base_s: float = 2.0
+    webhook_max_attempts: int = 8
+    webhook_timeout_s: float = 10.0
+    webhook_allow_private: bool = False

@@ -1,0 +1,68 @@
+"""Per-step attention metadata shared by every layer and both attention backends.
+
+The model runner builds one `AttentionMetadata` per engine step; every layer passes the same
+object to `kernels.paged_attention`. The Triton backend reads the device tensors; the PyTorch
+reference (the CPU path) additionally derives a gather plan once per step from the host-side
+lists and caches it on the object, so 30 layers do not re-plan 30 times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths into the flat batch
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length of each sequence incl. this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32: pool block ids, padded with 0
+    block_size: int  # tokens per KV block
+    query_lens_host: list[int]  # host copy of the query lengths (no device sync when planning)
+    seq_lens_host: list[int]  # host copy of seq_lens
+    max_query_len: int
+    max_seq_len: int
+    backend_cache: dict[str, object] = field(default_factory=dict)  # per-backend plans, built lazily
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build metadata from host lists: one entry per sequence, query tokens are the last
+        `query_lens[i]` positions of a context of `seq_lens[i]` tokens."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if q < 1 or q > s:
+                raise ValueError(f"each query length must be in [1, seq_len]; got {q} for seq_len {s}")
+            if len(table) * block_size < s:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(len(padded), max_blocks),
+            block_size=block_size,
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )

@@ -1,0 +1,207 @@
+"""PyTorch reference kernels: the CPU path of the engine and the oracle for the Triton kernels.
+
+Cache layout (one tensor per layer and per K/V):
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+Head-major inside a block, so one (block, kv head) pair is a contiguous [block_size, head_dim]
+tile: the CPU path gathers whole tiles straight into the [batch, kv_heads, tokens, head_dim]
+layout that `scaled_dot_product_attention` reads fastest, and the Triton kernel loads a tile
+with one 2-D block pointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+# Decode sequences are padded to the longest one in their bucket; a new bucket starts when a
+# sequence is this much longer (in blocks) than the bucket's shortest, which bounds the padding.
+_DECODE_BUCKET_GROWTH = 1.3
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset, -1 = skip
+) -> None:
+    """Scatter this step's new K/V into the block pool (reshape-and-cache)."""
+    block_size = k_cache.shape[2]
+    skip = slot_mapping < 0
+    if bool(skip.any()):
+        keep = ~skip
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    # Advanced indices on dims 0 and 2 with a slice between: the indexed view is [tokens, heads, dim].
+    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+
+@dataclass
+class _DecodeBucket:
+    token_index: torch.Tensor  # [n] int64: rows of q/out that belong to this bucket
+    tile_index: torch.Tensor  # [n * num_kv_heads * num_blocks] int64: rows of cache.view(-1, bs * D)
+    num_blocks: int  # blocks gathered per sequence (the bucket's longest)
+    mask: torch.Tensor | None  # [n, 1, 1, num_blocks * bs] bool, None when no position is padding
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # first row of this sequence in the flat batch
+    query_len: int
+    seq_len: int
+    tile_index: torch.Tensor  # [num_kv_heads * num_blocks] int64
+
+
+@dataclass
+class _CpuPlan:
+    decode: list[_DecodeBucket]
+    prefill: list[_PrefillSeq]
+
+
+def _tile_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, num_blocks] block ids -> [n * num_kv_heads * num_blocks] tile rows, ordered (seq, head, block)."""
+    heads = torch.arange(num_kv_heads, dtype=torch.int64)
+    return (block_ids.to(torch.int64)[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+
+
+def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _CpuPlan:
+    cached = meta.backend_cache.get("torch")
+    if isinstance(cached, _CpuPlan):
+        return cached
+    bs = meta.block_size
+    tables = meta.block_tables.cpu()
+    starts = [0]
+    for q in meta.query_lens_host:
+        starts.append(starts[-1] + q)
+    decode_seqs = [i for i, q in enumerate(meta.query_lens_host) if q == 1]
+    decode_seqs.sort(key=lambda i: meta.seq_lens_host[i])
+    buckets: list[list[int]] = []
+    for i in decode_seqs:
+        blocks = -(-meta.seq_lens_host[i] // bs)
+        if buckets and blocks <= _DECODE_BUCKET_GROWTH * -(-meta.seq_lens_host[buckets[-1][0]] // bs) + 1:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    decode = []
+    for members in buckets:
+        lens = torch.tensor([meta.seq_lens_host[i] for i in members])
+        num_blocks = -(-int(lens.max()) // bs)
+        index = torch.tensor(members)
+        positions = torch.arange(num_blocks * bs)
+        valid = positions[None, :] < lens[:, None]
+        decode.append(
+            _DecodeBucket(
+                token_index=torch.tensor([starts[i] for i in members]),
+                tile_index=_tile_index(tables[index, :num_blocks], num_kv_heads),
+                num_blocks=num_blocks,
+                mask=None if bool(valid.all()) else valid[:, None, None, :],
+            )
+        )
+    prefill = []
+    for i, q in enumerate(meta.query_lens_host):
+        if q == 1:
+            continue
+        seq_len = meta.seq_lens_host[i]
+        num_blocks = -(-seq_len // bs)
+        prefill.append(_PrefillSeq(starts[i], q, seq_len, _tile_index(tables[i : i + 1, :num_blocks], num_kv_heads)))
+    plan = _CpuPlan(decode, prefill)
+    meta.backend_cache["torch"] = plan
+    return plan
+
+
+def _gather(cache: torch.Tensor, tile_index: torch.Tensor, n: int, num_blocks: int) -> torch.Tensor:
+    """Gather tiles into [n, num_kv_heads, num_blocks * block_size, head_dim] (contiguous)."""
+    _, num_kv_heads, block_size, head_dim = cache.shape
+    tiles = cache.view(-1, block_size * head_dim).index_select(0, tile_index)
+    return tiles.view(n, num_kv_heads, num_blocks * block_size, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its paged context.
+
+    Sequence i owns rows query_start_loc[i]:query_start_loc[i+1] of q; they are the last
+    query_len tokens of its seq_len-token context, so query row r (0-based within the
+    sequence) sees context positions 0 .. seq_len - query_len + r. Query head h reads KV head
+    h // (num_heads // num_kv_heads), as in transformers' repeat_kv.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    plan = _plan(meta, num_kv_heads)
+    for bucket in plan.decode:
+        n = bucket.token_index.numel()
+        k = _gather(k_cache, bucket.tile_index, n, bucket.num_blocks)
+        v = _gather(v_cache, bucket.tile_index, n, bucket.num_blocks)
+        # A decode token's query heads that share a KV head become that head's "query rows".
+        qd = q.index_select(0, bucket.token_index).view(n, num_kv_heads, group, head_dim).to(k.dtype)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=bucket.mask, scale=scale)
+        out.index_copy_(0, bucket.token_index, o.reshape(n, num_heads, head_dim).to(out.dtype))
+    for seq in plan.prefill:
+        num_blocks = seq.tile_index.numel() // num_kv_heads
+        k = _gather(k_cache, seq.tile_index, 1, num_blocks)[:, :, : seq.seq_len]
+        v = _gather(v_cache, seq.tile_index, 1, num_blocks)[:, :, : seq.seq_len]
+        qp = q[seq.start : seq.start + seq.query_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
+        if seq.query_len == seq.seq_len:
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            offset = seq.seq_len - seq.query_len
+            rows = torch.arange(seq.query_len)[:, None] + offset
+            mask = torch.arange(seq.seq_len)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        out[seq.start : seq.start + seq.query_len] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm as transformers computes it (statistics in float32), with an optional fused
+    residual add. Returns (normalised, residual_out) where residual_out = x (+ residual)."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), x
+
+
+def rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] float32: cos in [:, :D/2], sin in [:, D/2:]
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding. neox: rotate the two halves of each head (Llama/Qwen/Mistral in
+    transformers); gpt-j: rotate interleaved pairs (x[2i], x[2i+1])."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        if is_neox:
+            x1, x2 = x[..., :half], x[..., half:]
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+    return apply(q), apply(k)

@@ -1,0 +1,108 @@
+"""Tiny Hugging Face checkpoints made on the spot: config + random init + save_pretrained.
+
+Every test model goes through Ferry's real loading code (config.json, safetensors, tokenizer).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Ferry serves language models behind an async job API with streaming and webhooks.",
+    "Grüße aus Zürich — naïve café, 東京, 🚀 emoji and other multi-byte characters.",
+    "import os\nimport sys\n\nclass Engine:\n    def step(self):\n        return []\n",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+@functools.cache
+def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(
+    directory: Path,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    shard_size: str | None = None,
+    vocab_size: int = 384,
+    **config_overrides,
+) -> Path:
+    """Write a random-weight checkpoint with a tokenizer to `directory` and return it."""
+    tokenizer = _tokenizer(vocab_size)
+    config_cls, model_cls = ARCHITECTURES[arch]
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
+        # Wider weights than the default 0.02 give peaked logits, so greedy ties never hinge
+        # on float rounding between two correct implementations.
+        initializer_range=0.25,
+    )
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    kwargs.update(config_overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(directory, **save_kwargs)
+    tokenizer.save_pretrained(directory)
+    return directory

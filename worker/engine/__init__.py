@@ -1,0 +1,19 @@
+"""Ferry's inference engine: `LLM` for offline batches, `Engine` for the step API."""
+
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine, EngineStats
+from worker.engine.llm import LLM
+from worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from worker.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

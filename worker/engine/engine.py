@@ -1,0 +1,297 @@
+"""Engine: add_request / abort / step. A step is schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
+from worker.engine.model_runner import ModelRunner, StepOutput
+from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from worker.engine.request import Request
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.models.config import ModelArch
+from worker.models.loader import load_model, parse_dtype, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_CAP_BYTES = 4 << 30  # default KV budget on CPU at most 4 GiB ...
+_CPU_KV_RAM_SHARE = 0.2  # ... and at most this share of RAM
+_GPU_KV_FREE_SHARE = 0.85  # on CUDA: this share of the memory left after loading the weights
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv: KVUsage
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens served from it
+    num_preemptions: int
+
+
+class Engine:
+    """A continuously batched, paged-KV engine for one model. Not thread-safe: call it from one thread."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.config = EngineConfig(model=str(model), **kwargs)
+        cfg = self.config
+        self.model_dir = resolve_model_path(cfg.model)
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        self.dtype = parse_dtype(cfg.dtype, getattr(hf_config, "dtype", None))
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_model_len = self._resolve_max_model_len()
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = self._eos_token_ids()
+        torch.manual_seed(cfg.seed)
+
+        model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        self.block_size = cfg.block_size
+        bytes_per_block = ModelRunner.bytes_per_block(self.arch, self.block_size, self.dtype)
+        num_blocks = self._kv_budget(bytes_per_block) // bytes_per_block
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"a KV pool of {num_blocks} blocks x {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_bytes (needs at least "
+                f"{-(-self.max_model_len // self.block_size) * bytes_per_block} bytes) or lower max_model_len"
+            )
+        self.runner = ModelRunner(model, self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCacheManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
+        self.model_salt = cfg.model_salt or self._default_model_salt()
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or (4096 if self.device.type == "cuda" else 512),
+            watermark_blocks=min(num_blocks // 100, 8),
+        )
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # aborts reported by the next step
+        self._arrivals = itertools.count()
+        log.info(
+            "engine ready: %s (%s) on %s, %s, KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            self.model_dir.name, self.arch.architecture, self.device, self.dtype, num_blocks,
+            self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
+        )
+
+    # --- set-up helpers ----------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window and self.arch.sliding_window < limit:
+            # Ferry attends over the whole context; capping at the window keeps results exact.
+            log.warning("model uses a sliding window of %d tokens: max_model_len capped to it", self.arch.sliding_window)
+            limit = self.arch.sliding_window
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds what the model supports ({limit})")
+        return wanted
+
+    def _load_tokenizer(self):
+        names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+        if not any((self.model_dir / n).is_file() for n in names):
+            log.warning("no tokenizer in %s: prompts must be token ids and outputs carry no text", self.model_dir)
+            return None
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.arch.eos_token_ids)
+        if (self.model_dir / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _kv_budget(self, bytes_per_block: int) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * _GPU_KV_FREE_SHARE)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        # No use reserving more than every running sequence at full length needs.
+        full = -(-self.max_model_len // self.block_size) * bytes_per_block * self.config.max_num_seqs
+        return int(min(_CPU_KV_CAP_BYTES, _CPU_KV_RAM_SHARE * ram, full))
+
+    def _default_model_salt(self) -> str:
+        config_text = (self.model_dir / "config.json").read_text()
+        return hashlib.sha256(f"{config_text}|{self.dtype}".encode()).hexdigest()[:16]
+
+    # --- public API ----------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer: give prompts as token-id lists")
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat, rendered with the model's own chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. `priority`: lower is served first and preempted last."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        request = Request(
+            request_id=str(request_id),
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=int(priority),
+            arrival_seq=next(self._arrivals),
+            metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time),
+            prompt=text,
+            eos_token_ids=self.eos_token_ids,
+            cache_extra=cache_extra(self.model_salt, params.cache_salt),
+        )
+        self.scheduler.add(request)
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.stop_strings
+            )
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"at most {self.max_model_len - 1} prompt tokens leave room to generate"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks are freed and the next step reports it as 'abort'."""
+        request = self.scheduler.requests.get(str(request_id))
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort")
+        self._pending.append(self._output(request, [], None))
+        self._detokenizers.pop(request.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_usage(self) -> KVUsage:
+        return self.kv.usage(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv=self.kv_usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns a delta for every request that produced tokens or ended."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        result = self.runner.execute(sched)
+        return outputs + self._update(sched, result)
+
+    def _update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
+            request.num_computed_tokens += num_new
+            token = result.sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the prompt's end
+            logprobs = self._decorate(result.logprobs.get(request.request_id))
+            request.append_output(token, logprobs)
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.token_times.append(now)
+            reason, stop_reason = self._token_stop(request, token)
+            detok = self._detokenizers.get(request.request_id)
+            if detok is not None:
+                stops_active = request.num_output_tokens >= request.params.min_tokens
+                matched = detok.add_tokens([token], final=reason is not None, check_stop=stops_active)
+                if matched is not None and reason is None:
+                    reason, stop_reason = "stop", matched
+            if reason is not None:
+                self.scheduler.finish(request, reason, stop_reason)
+            outputs.append(self._output(request, [token], [logprobs] if logprobs is not None else None))
+            if reason is not None:
+                self._detokenizers.pop(request.request_id, None)
+        return outputs
+
+    def _token_stop(self, request: Request, token: int) -> tuple[str | None, str | int | None]:
+        p = request.params
+        if request.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in request.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _decorate(self, logprobs: PositionLogprobs | None) -> PositionLogprobs | None:
+        if logprobs is None or self.tokenizer is None:
+            return logprobs
+        return {tid: replace(lp, decoded_token=self.tokenizer.decode([tid])) for tid, lp in logprobs.items()}
+
+    def _output(self, request: Request, new_tokens: list[int], new_logprobs: list | None) -> RequestOutput:
+        detok = self._detokenizers.get(request.request_id)
+        text = detok.take_delta(request.is_finished) if detok is not None else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_text=text,
+            new_logprobs=new_logprobs,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            metrics=request.metrics,
+        )
+
+
+__all__ = ["Engine", "EngineStats", "Logprob"]

@@ -1,0 +1,230 @@
+"""Paged KV block manager with a hash-chained prefix cache.
+
+The pool holds `num_blocks` fixed-size blocks; each request owns a block table
+(`request.block_ids`). A full block whose tokens are known gets a key
+
+    key = sha256(parent_key ‖ uint32 count ‖ token ids as uint32 LE ‖ extra)
+
+with the 32-byte parent key all zeros for a request's first block and `extra` carrying the
+per-model salt and the request's `cache_salt`. Keys are the same in every process and across
+restarts (snapshots rely on it). Freed blocks keep their key and sit in an LRU queue; they are
+evicted only when their slot is needed, and a block with a reference is never evicted.
+
+Verbs, all that the scheduler needs: `lookup_prefix`, `allocate` (None = preempt something),
+`free`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from worker.engine.request import Request
+
+ROOT_KEY = bytes(32)  # parent key of every chain's first block
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
+    """Stable prefix-cache key of one full block (never Python's hash())."""
+    digest = hashlib.sha256(parent_key)
+    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    digest.update(extra)
+    return digest.digest()
+
+
+def cache_extra(model_salt: str, cache_salt: str | None) -> bytes:
+    """Namespace bytes: requests share cached blocks only with the same model and cache_salt."""
+    salt = (cache_salt or "").encode()
+    return struct.pack("<I", len(model_salt.encode())) + model_salt.encode() + salt
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    block_ids: list[int]  # cached blocks holding the request's leading full blocks, in order
+    num_tokens: int  # = len(block_ids) * block_size
+
+
+@dataclass(slots=True)
+class CachedBlock:
+    """What the prefix cache knows of a full block (exported in snapshots)."""
+
+    key: bytes
+    parent_key: bytes
+    token_ids: tuple[int, ...]
+    hits: int = 0  # times a request reused this block
+    last_used: float = field(default_factory=time.time)  # wall clock, comparable across restarts
+
+
+@dataclass(slots=True)
+class KVUsage:
+    num_blocks: int
+    num_used_blocks: int  # blocks referenced by running requests
+    num_cached_free_blocks: int  # free blocks still holding a cached prefix
+    num_used_tokens: int  # token slots holding KV of running requests
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_meta: list[CachedBlock | None] = [None] * num_blocks  # set while a block is cached
+        self.cached: dict[bytes, int] = {}  # key -> block id
+        # Free blocks in eviction order (front = next to reuse). Uncached blocks go to the front,
+        # cached ones to the back, so a cached prefix survives as long as possible.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up at admission
+        self.prefix_hits = 0  # of those, tokens found cached
+
+    # --- verbs -------------------------------------------------------------------------------
+
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        """The longest run of the request's leading full blocks already cached.
+
+        The last token is never covered (its logits must be computed), so at most
+        (num_tokens - 1) // block_size blocks can hit."""
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_keys(request, max_blocks)
+        hits = []
+        for key in request.block_keys[:max_blocks]:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixHit(hits, len(hits) * self.block_size)
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None, reserve: int = 0
+    ) -> list[int] | None:
+        """Give the request blocks for `num_new_tokens` more tokens; None if the pool is short.
+
+        `prefix` (at admission only) attaches cached blocks first; `reserve` keeps that many
+        blocks free after the allocation (a watermark for admitting new requests)."""
+        hit_blocks = prefix.block_ids if prefix else []
+        if hit_blocks and request.block_ids:
+            raise ValueError("a prefix hit is attached only to a request without blocks")
+        num_computed = prefix.num_tokens if prefix else request.num_computed_tokens
+        needed_total = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_needed = needed_total - len(request.block_ids) - len(hit_blocks)
+        # Hit blocks that sit in the free queue stop being free once attached.
+        reclaimed = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)
+        if num_needed + reserve > len(self.free_queue) - reclaimed:
+            return None
+        if prefix is not None:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += prefix.num_tokens
+        now = time.time()
+        for block in hit_blocks:
+            self._touch(block)
+            meta = self.block_meta[block]
+            meta.hits += 1
+            meta.last_used = now
+        new_blocks = [self._pop_free() for _ in range(max(num_needed, 0))]
+        request.block_ids.extend(hit_blocks)
+        request.block_ids.extend(new_blocks)
+        if hit_blocks:
+            request.num_registered_blocks = len(hit_blocks)
+        # Blocks fully covered once this step's tokens are computed join the cache now: a request
+        # scheduled in the same step reads them after this step's KV writes, layer by layer.
+        self._register_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
+        return hit_blocks + new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (finished, aborted or preempted)."""
+        # Reverse order: a chain's tail is evicted before its head, which more requests share.
+        for block in reversed(request.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                if self.block_meta[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        request.block_ids.clear()
+        request.num_registered_blocks = 0
+
+    # --- figures -----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self, running: Sequence[Request]) -> KVUsage:
+        cached_free = sum(1 for b in self.free_queue if self.block_meta[b] is not None)
+        return KVUsage(
+            num_blocks=self.num_blocks,
+            num_used_blocks=self.num_blocks - len(self.free_queue),
+            num_cached_free_blocks=cached_free,
+            num_used_tokens=sum(r.num_computed_tokens for r in running),
+        )
+
+    def cached_blocks(self) -> list[tuple[int, CachedBlock]]:
+        """(block id, metadata) of every cached block, used or free (snapshot export)."""
+        return [(b, meta) for b, meta in enumerate(self.block_meta) if meta is not None]
+
+    def adopt_cached_block(self, meta: CachedBlock) -> int | None:
+        """Reserve a free block for an imported cached block (snapshot restore) and register it.
+
+        Returns the block id whose KV the caller must fill, or None when the key is already
+        cached or no uncached free block is left (imports never evict)."""
+        if meta.key in self.cached:
+            return None
+        block = next((b for b in self.free_queue if self.block_meta[b] is None), None)
+        if block is None:
+            return None
+        self.block_meta[block] = meta
+        self.cached[meta.key] = block
+        self.free_queue.move_to_end(block)
+        return block
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _extend_keys(self, request: Request, num_blocks: int) -> None:
+        keys = request.block_keys
+        bs = self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            parent = keys[-1] if keys else ROOT_KEY
+            keys.append(block_key(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_extra))
+
+    def _touch(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        meta = self.block_meta[block]
+        if meta is not None:  # evict the least recently freed cached block
+            del self.cached[meta.key]
+            self.block_meta[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _register_full_blocks(self, request: Request, num_full_blocks: int) -> None:
+        if not self.enable_prefix_caching or num_full_blocks <= request.num_registered_blocks:
+            return
+        self._extend_keys(request, num_full_blocks)
+        bs = self.block_size
+        now = time.time()
+        for i in range(request.num_registered_blocks, num_full_blocks):
+            key = request.block_keys[i]
+            block = request.block_ids[i]
+            if key in self.cached or self.block_meta[block] is not None:
+                continue  # same content computed twice concurrently: keep the first copy cached
+            parent = request.block_keys[i - 1] if i else ROOT_KEY
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.block_meta[block] = CachedBlock(key, parent, tokens, last_used=now)
+            self.cached[key] = block
+        request.num_registered_blocks = num_full_blocks

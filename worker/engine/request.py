@@ -1,0 +1,75 @@
+"""One mutable object per request: its tokens, how many have KV computed, its blocks, its state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine.outputs import PositionLogprobs, RequestMetrics
+from worker.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    RUNNING = "running"  # holds blocks and is scheduled each step it fits the budget
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int  # lower is served first and preempted last (vLLM's convention)
+    arrival_seq: int  # monotonic admission order: ties on priority go to the earlier request
+    metrics: RequestMetrics
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    cache_extra: bytes = b""  # prefix-cache namespace bytes (model salt + cache_salt)
+
+    all_token_ids: list[int] = field(init=False)  # prompt + output, the tokens KV is computed for
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    block_ids: list[int] = field(default_factory=list)  # block table: block i holds tokens [i*bs, (i+1)*bs)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, lazily extended
+    num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprobs: PositionLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting order: priority, then arrival. The preemption victim is the max of this."""
+        return (self.priority, self.arrival_seq)

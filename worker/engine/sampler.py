@@ -1,0 +1,134 @@
+"""A small, pure, batched sampler: logits in, one token per row out.
+
+Order per row (vLLM's): penalties -> min_tokens mask -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> draw. Draws use the exponential race (argmax p/E, E ~ Exp(1)),
+so a seeded request consumes exactly one vector of its own generator per token: same seed,
+same tokens, whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.outputs import Logprob, PositionLogprobs
+from worker.engine.request import Request
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling inputs built from the requests that sample this step."""
+
+    requests: list[Request]
+
+    @property
+    def any_penalty(self) -> bool:
+        return any(
+            r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+            for r in self.requests
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[PositionLogprobs | None]  # one per row; None where not requested
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (prompt + output, transformers' rule), presence and frequency (output only)."""
+    vocab = logits.shape[-1]
+    for row, request in enumerate(requests):
+        p = request.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(request.all_token_ids, dtype=torch.int64).clamp_(0, vocab - 1).unique()
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+            out = torch.tensor(request.output_token_ids, dtype=torch.int64).clamp_(0, vocab - 1)
+            counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        p = request.params
+        if request.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, then min-p drop. logits: [n, vocab], already tempered;
+    top_k: [n] int (0 = off), top_p: [n] float (1 = off), min_p: [n] float (0 = off)."""
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab).expand_as(sorted_logits)
+        drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token while the mass strictly before it is below top_p (the first token always stays).
+        before = probs.cumsum(dim=-1) - probs
+        drop = before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One token per row by the exponential race, each seeded row on its own generator."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, request in enumerate(requests):
+        if request.generator is not None:
+            noise[row] = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(generator=request.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def top_logprobs(raw_logits: torch.Tensor, row: int, token: int, n: int) -> PositionLogprobs:
+    logprobs = raw_logits[row].log_softmax(dim=-1)
+    result: PositionLogprobs = {}
+    if n > 0:
+        values, ids = logprobs.topk(n)
+        for rank, (tid, value) in enumerate(zip(ids.tolist(), values.tolist(), strict=True), start=1):
+            result[tid] = Logprob(value, rank)
+    if token not in result:
+        value = logprobs[token]
+        result[token] = Logprob(float(value), int((logprobs > value).sum()) + 1)
+    return result
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    """logits: [n, vocab] float32, row i for requests[i]. Rows are modified in place."""
+    raw = logits.clone() if any(r.params.logprobs is not None for r in requests) else None
+    batch = SamplingBatch(requests)
+    if batch.any_penalty:
+        apply_penalties(logits, requests)
+    mask_min_tokens(logits, requests)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        sub = [requests[i] for i in random_rows]
+        temperature = torch.tensor([r.params.temperature for r in sub], dtype=logits.dtype)
+        tempered = logits.index_select(0, rows) / temperature[:, None]
+        filtered = filter_logits(
+            tempered,
+            torch.tensor([r.params.top_k for r in sub]),
+            torch.tensor([r.params.top_p for r in sub], dtype=logits.dtype),
+            torch.tensor([r.params.min_p for r in sub], dtype=logits.dtype),
+        )
+        tokens[rows] = draw(filtered.softmax(dim=-1), sub)
+    token_list = tokens.tolist()
+    logprobs: list[PositionLogprobs | None] = [
+        None if r.params.logprobs is None else top_logprobs(raw, i, token_list[i], r.params.logprobs)
+        for i, r in enumerate(requests)
+    ]
+    return SamplerOutput(token_list, logprobs)

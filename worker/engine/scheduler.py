@@ -1,0 +1,143 @@
+"""Iteration-level scheduler: a token budget per step, no prefill or decode phases.
+
+Each request has `num_computed_tokens` and `num_tokens`; a step gives each scheduled request
+up to `num_tokens - num_computed_tokens` tokens within `max_num_batched_tokens`. That one rule
+covers decode (1 token), chunked prefill (a slice of the prompt), prefix-cache hits (computed
+tokens start above 0) and recompute after preemption.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    requests: list[Request]  # scheduled this step, in batch order
+    num_scheduled_tokens: list[int]  # tokens each one computes this step (aligned with requests)
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark_blocks: int = 0,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = watermark_blocks  # kept free when admitting, so decodes rarely preempt
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queue management --------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a request (stop, length or abort) and release its blocks. Idempotent."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.metrics.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], [])
+        # 1) Running requests first, in admission order; the pool running short preempts the
+        #    lowest-priority, latest-arrived running request (possibly this one).
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while self.kv.allocate(request, num_new) is None:
+                victim = max(self.running, key=Request.sort_key)
+                victim_index = self.running.index(victim)
+                budget += self._preempt(victim, out)
+                if victim_index < index:
+                    index -= 1
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted itself; the request now at `index` is the next one
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+        # 2) Waiting requests by priority then arrival, only if nothing had to be preempted.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.lookup_prefix(request)
+            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            if self.kv.allocate(request, num_new, prefix, reserve=self.watermark_blocks) is None:
+                break  # head of line waits: admitting lower-priority requests first would invert order
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = prefix.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = prefix.num_tokens
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Send a running request back to waiting (recompute later). Returns budget given back."""
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self._enqueue(victim)
+        if victim in out.requests:  # already scheduled this step: unschedule it
+            i = out.requests.index(victim)
+            out.requests.pop(i)
+            return out.num_scheduled_tokens.pop(i)
+        return 0
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.sort_key()), request)

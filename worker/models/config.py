@@ -1,0 +1,151 @@
+"""The architecture facts Ferry needs, read from a Hugging Face `config.json`.
+
+One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2 and Qwen3: they differ only in the flags
+below (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is outside what Ferry implements."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    kind: str  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    qkv_bias: bool  # Qwen2 always; Llama/Mistral/Qwen3 when attention_bias
+    o_bias: bool  # Llama's attention_bias also covers o_proj
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    tie_word_embeddings: bool
+    sliding_window: int | None  # attention window, if the checkpoint uses one
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> ModelArch:
+        archs = list(getattr(cfg, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or getattr(cfg, 'model_type', '?')}; "
+                f"Ferry serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; Ferry implements silu")
+        num_heads = cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        eos = getattr(cfg, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+        sliding = getattr(cfg, "sliding_window", None)
+        if arch.startswith("Qwen") and not getattr(cfg, "use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
+            rope=_rope_config(cfg),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            sliding_window=int(sliding) if sliding else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=getattr(cfg, "bos_token_id", None),
+        )
+
+
+def _rope_config(cfg) -> RopeConfig:
+    # transformers 5 keeps everything in `rope_parameters`; older configs use rope_theta + rope_scaling.
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta, kind="default")
+    if kind == "linear":
+        return RopeConfig(theta=theta, kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise UnsupportedModelError(f"unsupported rope type {kind!r}; Ferry implements default, linear and llama3")
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, as transformers' rope init functions compute them."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind != "llama3":
+        return inv_freq
+    # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of position * inv_freq in the first half, sin in the second."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(rope, head_dim))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

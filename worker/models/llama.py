@@ -1,0 +1,124 @@
+"""One Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The model sees one flat batch per step: every scheduled token of every request, one row each.
+q/k/v and gate/up are fused into single projections (fewer, larger matrix products); the
+checkpoint's separate tensors are copied into slices of them by `loader.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels import AttentionMetadata
+from worker.models.config import ModelArch, rope_cos_sin_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.eps = arch.rms_norm_eps
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_sin: torch.Tensor,  # [max_positions, head_dim] float32
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = kernels.rms_norm(q, self.q_norm, self.eps)[0]
+            k = kernels.rms_norm(k, self.k_norm, self.eps)[0]
+        q, k = kernels.rotary(q, k, positions, cos_sin, True)
+        kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+
+    def forward(self, x, residual, positions, cos_sin, k_cache, v_cache, slot_mapping, meta):
+        # residual carries the un-normalised stream; rms_norm adds the previous block's output to it.
+        x, residual = kernels.rms_norm(x, self.input_layernorm, self.eps, residual)
+        x = self.self_attn(x, positions, cos_sin, k_cache, v_cache, slot_mapping, meta)
+        x, residual = kernels.rms_norm(x, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. `forward` returns hidden states; `compute_logits` only for sampled rows."""
+
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size))
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
+        self.register_buffer(
+            "cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta)
+        return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return F.linear(hidden, self.lm_head_weight).float()

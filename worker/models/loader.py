@@ -1,0 +1,178 @@
+"""Find a model directory and load its safetensors weights through one name-mapping table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from worker.models.config import ModelArch, rope_cos_sin_cache
+from worker.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelNotFoundError(ValueError):
+    """The model name is neither a local directory nor a hub id present in the local cache."""
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local directory as is; a hub id (`org/name`) from the local Hugging Face cache only."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        return path.resolve()
+    name = str(model)
+    if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", name) and not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            cached = Path(snapshot_download(name, local_files_only=True))
+        except Exception as exc:  # huggingface_hub raises several types for "not cached"
+            raise ModelNotFoundError(
+                f"model {name!r} is not a local directory and not in the local Hugging Face cache "
+                f"(no download is attempted): {exc.__class__.__name__}"
+            ) from None
+        if (cached / "config.json").is_file():
+            return cached
+    raise ModelNotFoundError(
+        f"model {name!r} not found: give a local directory with config.json and safetensors weights, "
+        "or a hub id already in the local cache"
+    )
+
+
+def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose one of float32, bfloat16, float16")
+        return dtype
+    if dtype == "auto":
+        return config_dtype if config_dtype in DTYPES.values() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16 or auto")
+    return DTYPES[dtype]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: sharded (via the index) or single."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    raise ModelNotFoundError(f"no safetensors weights in {model_dir} (Ferry loads only safetensors)")
+
+
+# Checkpoint name -> (Ferry parameter, shard). A shard names the slice of a fused parameter;
+# None means the tensor maps one to one.
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+_RENAMED = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_norm.weight": "self_attn.q_norm",
+    "self_attn.k_norm.weight": "self_attn.k_norm",
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def map_name(name: str) -> tuple[str, str | None] | None:
+    """Map a checkpoint tensor name to (Ferry parameter name, shard), or None to skip it."""
+    if _IGNORED.search(name):
+        return None
+    if not name.startswith(("model.", "lm_head.")):
+        name = "model." + name  # checkpoints of the bare decoder have no "model." prefix
+    if name in _RENAMED:
+        return _RENAMED[name], None
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    for suffix in ("weight", "bias"):
+        module = rest.removesuffix("." + suffix)
+        if module != rest and module in _FUSED:
+            target, shard = _FUSED[module]
+            return f"layers.{layer}.{target}.{suffix}", shard
+    return f"layers.{layer}.{_RENAMED.get(rest, rest)}", None
+
+
+def _shard_rows(arch: ModelArch, shard: str) -> slice:
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return {
+        "q": slice(0, q),
+        "k": slice(q, q + kv),
+        "v": slice(q + kv, q + 2 * kv),
+        "gate": slice(0, arch.intermediate_size),
+        "up": slice(arch.intermediate_size, 2 * arch.intermediate_size),
+    }[shard]
+
+
+def load_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaModel(arch, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    # The rotary table stays float32 whatever the weights' dtype (as in transformers).
+    model.cos_sin = rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions).to(device)
+    params = dict(model.named_parameters())
+    # Each parameter must be covered fully: count the rows each shard fills.
+    filled: dict[str, int] = {name: 0 for name in params}
+    files = weight_files(model_dir)
+    with tqdm(total=len(files), desc="loading weights", unit="file", disable=len(files) < 2) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    mapped = map_name(name)
+                    if mapped is None:
+                        continue
+                    target, shard = mapped
+                    if target == "lm_head" and model.lm_head is None:
+                        continue  # tied: the embedding is the head
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured")
+                    tensor = f.get_tensor(name)
+                    dest = params[target].data
+                    if shard is not None:
+                        dest = dest[_shard_rows(arch, shard)]
+                    if tuple(dest.shape) != tuple(tensor.shape):
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                    dest.copy_(tensor.to(dtype))
+                    filled[target] += tensor.shape[0]
+            bar.update()
+    missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    model.eval()
+    return model

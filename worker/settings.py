@@ -1,0 +1,59 @@
+"""Worker process settings: environment variables `FERRY_*` (pydantic-settings).
+
+Only the process edge reads the environment; the engine takes the `EngineConfig` dataclass
+built from these settings by `engine_kwargs()`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+
+    # Redis and naming
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "ferry"  # every Redis key and channel lives under this prefix
+    worker_id: str | None = None  # default: hostname-pid
+
+    # Model and engine
+    model: str = ".ferry/models/demo"  # local directory or a hub id already in the local cache
+    model_name: str | None = None  # served name; default: the model directory's name
+    dtype: str = "float32"
+    device: str | None = None  # default: cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # default: a share of free device memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    speculative_method: str | None = None  # "ngram" | "draft"
+    speculative_num_tokens: int = 4
+    speculative_ngram_max: int = 4
+    speculative_draft_model: str | None = None
+
+    # Snapshots of the prefix cache
+    snapshot_url: str | None = None  # file:///dir or s3://bucket/prefix
+    snapshot_interval_s: float = 600.0
+    snapshot_keep: int = 3
+    snapshot_max_bytes: int = 1 << 30
+    s3_endpoint_url: str | None = None
+
+    # Process behaviour
+    metrics_port: int = 9300
+    metrics_host: str = "0.0.0.0"
+    idle_timeout_s: float | None = None  # exit after this long with nothing to do (scale to zero)
+    drain_timeout_s: float = 30.0  # grace for in-flight jobs after SIGTERM before handing them back
+    heartbeat_interval_s: float = 2.0
+    heartbeat_ttl_s: float = 10.0
+
+    # Delivery guarantees
+    lease_s: float = 30.0  # a pending job idle longer than this is reclaimed by another worker
+    reaper_interval_s: float = 5.0
+    max_attempts: int = Field(default=3, ge=1)
+    job_ttl_s: float = 3600.0  # a queued job older than this is timed out without running
+    job_timeout_s: float = 600.0  # default execution timeout per job
+    result_ttl_s: int = 86400  # how long a finished job's hash and event stream are kept
+    queue_maxlen: int = 100_000
