@@ -83,6 +83,12 @@ class Engine:
             self.model_dir.name, self.arch.architecture, self.device, self.dtype, num_blocks,
             self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
+        # Lazy import: worker.snapshot imports this package. Restoring never raises (cold start).
+        from worker.snapshot import SnapshotStats, restore_snapshot
+
+        self.snapshot_stats = SnapshotStats()  # ferry_snapshot_* counters
+        if cfg.snapshot_url:
+            restore_snapshot(self, cfg.snapshot_url, self.snapshot_stats)
 
     # --- set-up helpers ----------------------------------------------------------------------
 
@@ -219,6 +225,21 @@ class Engine:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def save_snapshot(self, url: str | None = None, only_if_changed: bool = False):
+        """Save the hottest cached prefixes to `url` (default: config.snapshot_url).
+
+        Returns a SnapshotInfo (blocks, tokens, bytes, key), or None when the cache is empty or,
+        with `only_if_changed`, unchanged since the last save or restore. Raises SnapshotError."""
+        from worker.snapshot import save_snapshot
+
+        url = url or self.config.snapshot_url
+        if not url:
+            raise ValueError("no snapshot URL: pass one or configure snapshot_url")
+        return save_snapshot(
+            self, url, max_bytes=self.config.snapshot_max_bytes, keep=self.config.snapshot_keep,
+            only_if_changed=only_if_changed, stats=self.snapshot_stats,
         )
 
     # --- the step ------------------------------------------------------------------------------
