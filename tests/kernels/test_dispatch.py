@@ -1,0 +1,42 @@
+"""The dispatch in `kernels/__init__.py` routes CPU tensors to Triton when asked to."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.kernels.test_paged_attention import BATCHES, make_case
+
+
+def check_forced_backends(device) -> None:
+    from kernels import triton_ops
+
+    q, k_cache, v_cache, meta = make_case(*BATCHES["mixed"], num_heads=4, num_kv_heads=2, device=device, seed=21)
+    saved = os.environ.get("FERRY_ATTENTION_BACKEND")
+    try:
+        for backend, module in (("triton", triton_ops), ("torch", reference)):
+            os.environ["FERRY_ATTENTION_BACKEND"] = backend
+            assert kernels.backend_for(q) == backend
+            dispatched = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+            assert torch.equal(dispatched, module.paged_attention(q, k_cache, v_cache, meta, 0.125))
+    finally:
+        if saved is None:
+            os.environ.pop("FERRY_ATTENTION_BACKEND", None)
+        else:
+            os.environ["FERRY_ATTENTION_BACKEND"] = saved
+
+
+def test_forced_backends(device, run):
+    run(check_forced_backends, device)
+
+
+def test_default_and_invalid_backend(monkeypatch):
+    monkeypatch.delenv("FERRY_ATTENTION_BACKEND", raising=False)
+    assert kernels.backend_for(torch.zeros(1)) == "torch"
+    monkeypatch.setenv("FERRY_ATTENTION_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FERRY_ATTENTION_BACKEND"):
+        kernels.backend_for(torch.zeros(1))
