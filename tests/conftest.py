@@ -18,7 +18,7 @@ def tiny_model_factory(tmp_path_factory):
     made: dict[tuple, object] = {}
 
     def factory(arch: str = "llama", **kwargs):
-        key = (arch, tuple(sorted(kwargs.items())))
+        key = (arch, repr(sorted(kwargs.items())))
         if key not in made:
             made[key] = make_model(tmp_path_factory.mktemp(f"{arch}-model"), arch, **kwargs)
         return made[key]

@@ -1,0 +1,22 @@
+"""Requests without a model, for block-manager and scheduler unit tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from worker.engine.outputs import RequestMetrics
+from worker.engine.request import Request
+from worker.engine.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+def make_request(request_id: str, num_tokens: int, priority: int = 0, first_token: int = 0, **params) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(first_token, first_token + num_tokens)),
+        params=SamplingParams(**params),
+        priority=priority,
+        arrival_seq=next(_arrivals),
+        metrics=RequestMetrics(arrival_time=0.0),
+    )

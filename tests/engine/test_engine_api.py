@@ -1,0 +1,167 @@
+"""The public engine API: streaming deltas, stop conditions, seeds, logprobs, abort, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.engine import LLM, Engine, SamplingParams
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.models.config import UnsupportedModelError
+from worker.models.loader import ModelNotFoundError
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir))
+
+
+def _stream(engine: Engine, request_id: str, prompt, params) -> list:
+    engine.add_request(request_id, prompt, params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o for o in engine.step() if o.request_id == request_id]
+    return deltas
+
+
+def test_text_prompt_streams_deltas_that_add_up(llm):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    deltas = _stream(llm.engine, "s1", "def fibonacci(n):", params)
+    [whole] = llm.generate(["def fibonacci(n):"], params, use_tqdm=False)
+    assert [t for d in deltas for t in d.new_token_ids] == whole.token_ids
+    assert "".join(d.new_text for d in deltas) == whole.text
+    assert whole.text == llm.tokenizer.decode(whole.token_ids, skip_special_tokens=True)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert not any(d.finished for d in deltas[:-1])
+    m = deltas[-1].metrics
+    assert m.ttft is not None and m.ttft >= 0 and len(m.token_times) == 24
+
+
+def test_stop_string_is_cut_exactly_and_never_streamed(llm):
+    base = llm.generate(["The quick brown"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    text = base.text
+    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop, "never-matches-xyz"])
+    deltas = _stream(llm.engine, "stop1", "The quick brown", params)
+    streamed = "".join(d.new_text for d in deltas)
+    assert streamed == text[: text.index(stop)]
+    assert all(stop not in d.new_text for d in deltas)
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+
+
+def test_stop_token_ids_and_eos(llm):
+    base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    stop_token = base.token_ids[4]
+    first = base.token_ids.index(stop_token)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    held = llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token], min_tokens=first + 2), use_tqdm=False
+    )[0]
+    assert len(held.token_ids) > first + 1  # min_tokens keeps it going past the stop token
+
+
+def test_seeded_sampling_reproduces_in_any_batch(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=123, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batch = llm.generate([[9, 9], [1, 2, 3], [4, 4, 4, 4]], [others, params, others], use_tqdm=False)
+    assert batch[1].token_ids == alone
+
+
+def test_logprobs_per_generated_token(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.logprobs) == 5
+    for token, position in zip(out.token_ids, out.logprobs):
+        assert token in position and position[token].rank == 1  # greedy picks the top token
+        assert len(position) == 2 and all(lp.logprob <= 0 for lp in position.values())
+        assert all(lp.decoded_token is not None for lp in position.values())
+
+
+def test_abort_reports_and_frees(llm):
+    engine = llm.engine
+    engine.add_request("ab1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("ab2", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort("ab1") and not engine.abort("nope")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["ab1"].finished and outs["ab1"].finish_reason == "abort"
+    engine.abort("ab2")  # aborted while waiting or running, either way nothing leaks
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_usage().num_used_blocks == 0
+
+
+def test_chat_template_is_applied(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = llm.engine.apply_chat_template(messages)
+    assert llm.tokenizer.decode(ids).startswith("<|user|>hi") and llm.tokenizer.decode(ids).endswith("<|assistant|>")
+    out = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and len(out.token_ids) == 3
+
+
+def test_detokenizer_never_breaks_a_utf8_character(llm):
+    text = "price: 5€ ñ ✓ done"
+    ids = llm.tokenizer.encode(text)
+    detok = IncrementalDetokenizer(llm.tokenizer, [], [])
+    pieces = []
+    for i, token in enumerate(ids):
+        detok.add_tokens([token], final=i == len(ids) - 1)
+        pieces.append(detok.take_delta(finished=i == len(ids) - 1))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert len(ids) > len(text.split())  # multi-byte characters really were split across tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_bad_sampling_params_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_and_leave_nothing_queued(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e1", [], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("e2", [1] * engine.max_model_len, SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("e3", [1, 10**9], SamplingParams())
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[1, 2], []], SamplingParams(), use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.kv_usage().num_used_blocks == 0
+
+
+def test_unknown_model_and_unsupported_architecture(tmp_path, tiny_model_factory):
+    with pytest.raises(ModelNotFoundError, match="not found|not in the local"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        LLM("some-org/not-a-cached-model")
+    model_dir = tiny_model_factory("llama")
+    config = (model_dir / "config.json").read_text()
+    other = tmp_path / "gpt2ish"
+    other.mkdir()
+    for f in model_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    (other / "config.json").write_text(config.replace('"LlamaForCausalLM"', '"GPTNeoXForCausalLM"'))
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture"):
+        LLM(str(other))
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(model_dir), dtype="int3")

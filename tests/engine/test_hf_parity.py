@@ -1,0 +1,116 @@
+"""Greedy tokens identical to transformers `generate` on the same weights, for every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.engine import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 3, 7, 12, 16, 17, 33, 50]  # below, at and past block boundaries
+NEW_TOKENS = 32
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _reference(model_dir, prompts, dtype=torch.float32) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            generated = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+        outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+def _assert_all_free(llm: LLM) -> None:
+    usage = llm.engine.kv_usage()
+    assert usage.num_used_blocks == 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+ARCH_CASES = {
+    "llama": {},
+    "llama-tied": {"tie_word_embeddings": True},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "llama-mha": {"num_kv_heads": 4},
+    "llama-gqa4": {"num_heads": 8, "num_kv_heads": 2, "hidden_size": 64},
+}
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_greedy_matches_transformers(tiny_model_factory, case):
+    arch = case.split("-")[0]
+    model_dir = tiny_model_factory(arch, **ARCH_CASES[case])
+    llm = LLM(str(model_dir))
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+    assert all(o.finish_reason == "length" and o.num_prompt_tokens == len(p) for o, p in zip(outputs, prompts))
+    _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_prefill_and_mixed_batches_match(tiny_model_factory, arch):
+    model_dir = tiny_model_factory(arch)
+    # 8 tokens a step: every prompt over 8 tokens is split, decodes ride along with prefill chunks.
+    llm = LLM(str(model_dir), max_num_batched_tokens=8, enable_prefix_caching=False)
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+    _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_by_recompute_matches(tiny_model_factory, prefix_caching):
+    model_dir = tiny_model_factory("llama")
+    probe = LLM(str(model_dir), max_model_len=128)
+    per_block = probe.engine.runner.bytes_per_block(probe.engine.arch, 16, torch.float32)
+    # 10 blocks = 160 token slots for 8 requests that need up to 82 tokens each: preemption is certain.
+    llm = LLM(str(model_dir), max_model_len=128, kv_cache_bytes=10 * per_block, enable_prefix_caching=prefix_caching)
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+    _assert_all_free(llm)
+
+
+def test_sharded_checkpoint_and_llama3_rope(tiny_model_factory):
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    }
+    model_dir = tiny_model_factory("llama", shard_size="40KB", rope_parameters=rope)
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    llm = LLM(str(model_dir))
+    assert llm.engine.arch.rope.kind == "llama3"
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_close_to_transformers(tiny_model_factory, dtype):
+    """Half precision: rounding differs between implementations, so compare the first tokens and
+    require most of the sequence to agree rather than every token."""
+    model_dir = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), dtype=str(dtype).removeprefix("torch."))
+    assert llm.engine.runner.kv_cache.dtype == dtype
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    reference = _reference(model_dir, prompts, dtype=dtype)
+    agree = sum(o.token_ids[0] == r[0] for o, r in zip(outputs, reference))
+    assert agree >= 7

@@ -1,0 +1,121 @@
+"""Scheduler: token budget, chunked prefill, priority order, preemption victims, abort."""
+
+from __future__ import annotations
+
+from tests.engine.helpers import make_request
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.request import RequestStatus
+from worker.engine.scheduler import Scheduler
+
+
+def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, caching=False) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget)
+
+
+def _advance(sched: Scheduler, out) -> None:
+    """What the engine does after a step: count computed tokens, append a token where sampled."""
+    for request, n in zip(out.requests, out.num_scheduled_tokens):
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output(7, None)
+
+
+def _plan(out) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled_tokens)]
+
+
+def test_chunked_prefill_never_stalls_decodes():
+    sched = _scheduler(budget=8)
+    a = make_request("a", 3)
+    sched.add(a)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 3)]
+    _advance(sched, out)
+    sched.add(make_request("long", 20))
+    out = sched.schedule()
+    assert _plan(out) == [("a", 1), ("long", 7)]  # the decode first, the prompt gets the rest
+    _advance(sched, out)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 1), ("long", 7)]
+    _advance(sched, out)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 1), ("long", 6)]
+
+
+def test_waiting_order_is_priority_then_arrival():
+    sched = _scheduler(max_num_seqs=2)
+    for rid, prio in [("low", 5), ("first", 0), ("second", 0), ("high", -1)]:
+        sched.add(make_request(rid, 2, priority=prio))
+    assert [r.request_id for r in sched.waiting] == ["high", "first", "second", "low"]
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["high", "first"]  # max_num_seqs = 2
+    assert [r.request_id for r in sched.waiting] == ["second", "low"]
+
+
+def test_token_budget_is_respected():
+    sched = _scheduler(budget=10)
+    for i in range(4):
+        sched.add(make_request(f"r{i}", 4))
+    out = sched.schedule()
+    assert _plan(out) == [("r0", 4), ("r1", 4), ("r2", 2)]
+    assert out.total_tokens == 10
+
+
+def test_preemption_picks_lowest_priority_latest_arrival_and_recomputes():
+    # 4 blocks of 4 tokens. Three requests of 4 tokens fill 3 blocks; each decode needs a new block.
+    sched = _scheduler(num_blocks=4, budget=64)
+    a, b, c = make_request("a", 4, priority=0), make_request("b", 4, priority=1), make_request("c", 4, priority=0)
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 4), ("c", 4), ("b", 4)]  # admitted by priority, then arrival
+    assert [r.block_ids for r in (a, c, b)] == [[0], [1], [2]]
+    _advance(sched, out)
+    out = sched.schedule()
+    # a takes block 3; c finds the pool empty: b (priority 1) is the victim, not later-arrived c.
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
+    assert _plan(out) == [("a", 1), ("c", 1)]
+    assert a.block_ids == [0, 3] and c.block_ids == [1, 2]
+    assert sched.num_preemptions == 1
+    _advance(sched, out)
+    # b keeps its generated token and recomputes prompt + output when it gets back in.
+    assert b.all_token_ids[-1] == 7 and b.num_tokens == 5
+
+
+def test_preempting_itself_when_it_is_the_victim():
+    sched = _scheduler(num_blocks=2, budget=64)
+    a, b = make_request("a", 4), make_request("b", 4)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    _advance(sched, out)
+    out = sched.schedule()
+    # a needs a block: b (same priority, later) is preempted; a continues.
+    assert [r.request_id for r in out.preempted] == ["b"] and _plan(out) == [("a", 1)]
+
+
+def test_abort_frees_blocks_from_waiting_and_running():
+    sched = _scheduler()
+    a, b = make_request("a", 6), make_request("b", 6)
+    sched.add(a)
+    out = sched.schedule()
+    _advance(sched, out)
+    sched.add(b)
+    sched.finish(a, "abort")
+    sched.finish(b, "abort")
+    assert a.status is RequestStatus.FINISHED and a.finish_reason == "abort" and a.block_ids == []
+    assert sched.kv.num_free_blocks == 16 and not sched.has_unfinished()
+    sched.finish(a, "abort")  # idempotent
+
+
+def test_admission_waits_at_the_head_of_line_when_the_pool_is_short():
+    sched = _scheduler(num_blocks=3, budget=64)
+    big, small = make_request("big", 16, priority=0), make_request("small", 2, priority=1)
+    sched.add(make_request("a", 8))
+    sched.schedule()
+    sched.add(big)
+    sched.add(small)
+    out = sched.schedule()
+    # big needs 4 blocks, 1 is free: it waits, and lower-priority small does not jump the queue.
+    assert [r.request_id for r in out.requests] == ["a"] and [r.request_id for r in sched.waiting] == ["big", "small"]
