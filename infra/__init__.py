@@ -1,0 +1,1 @@
+"""Deployment assets for Ferry (containers, Kubernetes, Grafana) and the backlog autoscaler."""
