@@ -6,6 +6,8 @@ built from these settings by `engine_kwargs()`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -48,12 +50,40 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = 30.0  # grace for in-flight jobs after SIGTERM before handing them back
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
+    torch_threads: int | None = None  # intra-op threads for the engine; default: torch's choice
+    read_block_ms: int = 500  # longest blocking queue read: bounds how fast a drain stops pulling
+    redis_backoff_max_s: float = 5.0  # reconnect backoff cap while Redis is unreachable
 
     # Delivery guarantees
     lease_s: float = 30.0  # a pending job idle longer than this is reclaimed by another worker
+    lease_renew_s: float | None = None  # how often running jobs' leases are renewed; default lease_s / 3
     reaper_interval_s: float = 5.0
     max_attempts: int = Field(default=3, ge=1)
     job_ttl_s: float = 3600.0  # a queued job older than this is timed out without running
     job_timeout_s: float = 600.0  # default execution timeout per job
     result_ttl_s: int = 86400  # how long a finished job's hash and event stream are kept
     queue_maxlen: int = 100_000
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.model.rstrip("/")).name
+
+    @property
+    def lease_renew_interval_s(self) -> float:
+        return self.lease_renew_s or self.lease_s / 3
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments for `Engine(self.model, **kwargs)`."""
+        return {
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "device": self.device,
+            "snapshot_url": self.snapshot_url,
+            "snapshot_max_bytes": self.snapshot_max_bytes,
+            "snapshot_keep": self.snapshot_keep,
+        }
