@@ -19,7 +19,6 @@ cold start, one warning and a count in `SnapshotStats`.
 
 from __future__ import annotations
 
-import calendar
 import collections
 import hashlib
 import json
@@ -28,6 +27,7 @@ import secrets
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,8 @@ KV_LAYOUT = "layer,kv,block,kv_head,slot,head_dim"
 POINTER = "latest.json"
 SNAPSHOTS = "snapshots"
 DEFAULT_SHARD_BYTES = 256 << 20
+_STAMP = "%Y%m%dT%H%M%S%fZ"  # snapshot dir names start with the UTC creation time
+_SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # weight data hashed per file for the fingerprint
 _ABANDONED_AFTER_S = 3600  # an incomplete snapshot dir this old is a crashed save, not one in flight
 
 
@@ -161,7 +163,7 @@ def fingerprint(engine: Engine) -> str:
     parts = {
         "config": config,
         "weights": [
-            {"name": p.name, "size": p.stat().st_size, "header_sha256": _safetensors_header_sha256(p)}
+            {"name": p.name, "size": p.stat().st_size, "sha256": _safetensors_sample_sha256(p)}
             for p in weight_files(engine.model_dir)
         ],
         "dtype": str(engine.dtype),
@@ -173,12 +175,24 @@ def fingerprint(engine: Engine) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _safetensors_header_sha256(path: Path) -> str:
-    # The header (u64 length + JSON) names every tensor with dtype, shape and offsets: cheap to
-    # read, and it differs between checkpoints far more reliably than sizes alone.
+def _safetensors_sample_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's header plus samples of its tensor data.
+
+    The header (u64 length + JSON) names every tensor with dtype, shape and offsets; fine-tunes
+    of one base model share it, so a few spread-out slices of the data are hashed too: cheap
+    (about 1 MiB read per file) and different for any two trained checkpoints."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
     with path.open("rb") as f:
         head = f.read(8)
-        return hashlib.sha256(head + f.read(int.from_bytes(head, "little"))).hexdigest()
+        header_len = int.from_bytes(head, "little")
+        digest.update(head + f.read(header_len))
+        data_start = 8 + header_len
+        span = max(size - data_start - _SAMPLE_BYTES, 0)
+        for i in range(_SAMPLES):
+            f.seek(data_start + span * i // max(_SAMPLES - 1, 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def _block_shape(engine: Engine) -> list[int]:
@@ -267,7 +281,8 @@ def save_snapshot(
     digest = _keys_digest(meta.key for _, meta in chosen)
     if not chosen or (only_if_changed and digest == stats.last_keys_digest):
         return None
-    key = f"{SNAPSHOTS}/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
+    # Names sort by creation time (microseconds: several saves a second still order correctly).
+    key = f"{SNAPSHOTS}/{datetime.now(UTC).strftime(_STAMP)}-{secrets.token_hex(4)}"
     try:
         manifest = _write_snapshot(engine, store, key, chosen, shard_bytes, progress)
     except (StoreError, OSError) as exc:
@@ -383,7 +398,7 @@ def _prune(store: SnapshotStore, keep: int, current: str) -> None:
 def _dir_time(snapshot_dir: str) -> float:
     stamp = snapshot_dir.rsplit("/", 1)[-1].split("-", 1)[0]
     try:
-        return calendar.timegm(time.strptime(stamp, "%Y%m%dT%H%M%SZ"))
+        return datetime.strptime(stamp, _STAMP).replace(tzinfo=UTC).timestamp()
     except ValueError:
         return 0.0  # not ours: treat as old
 
