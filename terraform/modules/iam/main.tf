@@ -1,0 +1,97 @@
+# IRSA roles for the Ferry pods. The worker may read, write and delete objects under its
+# snapshot prefix and nothing else in S3; the API (and the webhook worker, same service
+# account) gets a role whose only policy denies S3 outright, so no policy attached later by
+# mistake can open the bucket to it.
+
+data "aws_region" "current" {}
+
+locals {
+  bucket_name = element(split(":::", var.snapshot_bucket_arn), 1)
+}
+
+data "aws_iam_policy_document" "assume" {
+  for_each = {
+    worker = var.worker_service_account
+    api    = var.api_service_account
+  }
+  statement {
+    actions = ["sts:AssumeRoleWithWebIdentity"]
+    principals {
+      type        = "Federated"
+      identifiers = [var.oidc_provider_arn]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "${var.oidc_issuer}:sub"
+      values   = ["system:serviceaccount:${var.namespace}:${each.value}"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "${var.oidc_issuer}:aud"
+      values   = ["sts.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role" "worker" {
+  name               = "${var.name}-worker"
+  description        = "Ferry GPU worker: snapshot objects under s3://${local.bucket_name}/${var.snapshot_prefix}/ only"
+  assume_role_policy = data.aws_iam_policy_document.assume["worker"].json
+  tags               = var.tags
+}
+
+data "aws_iam_policy_document" "worker" {
+  statement {
+    sid       = "SnapshotObjects"
+    actions   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"]
+    resources = ["${var.snapshot_bucket_arn}/${var.snapshot_prefix}/*"]
+  }
+  statement {
+    sid       = "ListSnapshotPrefix"
+    actions   = ["s3:ListBucket"]
+    resources = [var.snapshot_bucket_arn]
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = ["${var.snapshot_prefix}/*"]
+    }
+  }
+  statement {
+    sid       = "SnapshotKey"
+    actions   = ["kms:Decrypt", "kms:GenerateDataKey"]
+    resources = [var.snapshot_kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${data.aws_region.current.name}.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role_policy" "worker" {
+  name   = "snapshots"
+  role   = aws_iam_role.worker.id
+  policy = data.aws_iam_policy_document.worker.json
+}
+
+resource "aws_iam_role" "api" {
+  name               = "${var.name}-api"
+  description        = "Ferry API and webhook worker: no S3 access"
+  assume_role_policy = data.aws_iam_policy_document.assume["api"].json
+  tags               = var.tags
+}
+
+data "aws_iam_policy_document" "api" {
+  statement {
+    sid       = "NoS3"
+    effect    = "Deny"
+    actions   = ["s3:*"]
+    resources = ["*"]
+  }
+}
+
+resource "aws_iam_role_policy" "api" {
+  name   = "deny-s3"
+  role   = aws_iam_role.api.id
+  policy = data.aws_iam_policy_document.api.json
+}
