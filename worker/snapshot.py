@@ -329,6 +329,8 @@ def _write_snapshot(
             path = Path(tmp) / name
             save_file({"kv": kv.index_select(2, ids).cpu().contiguous()}, str(path))
             shards.append(ShardRecord(name, path.stat().st_size, _sha256_file(path), len(group)))
+            bar.total += shards[-1].size - len(group) * _bytes_per_block(engine)  # + the safetensors header
+            bar.refresh()
             blocks.extend(
                 BlockRecord(m.key.hex(), m.parent_key.hex(), list(m.token_ids), m.hits, m.last_used, shard_index, i)
                 for i, (_, m) in enumerate(group)
