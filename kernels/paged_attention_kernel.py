@@ -336,6 +336,7 @@ def paged_attention(
         FP32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        enable_fp_fusion=True,  # explicit: Triton 3.9 warns when left to its default
     )
     if split:
         _merge_splits_kernel[(tokens, num_heads)](
@@ -350,5 +351,6 @@ def paged_attention(
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
+            enable_fp_fusion=True,  # explicit: Triton 3.9 warns when left to its default
         )
     return out
