@@ -1,0 +1,26 @@
+# The two set-up commands (README.md): `make demo` runs Ferry on its embedded defaults,
+# `make test` runs the test suite. Both create the virtual environment on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/ferry generate
+
+test: setup
+	$(BIN)/ruff check worker api kernels bench tests
+	$(BIN)/pytest -q -p no:cacheprovider
+
+bench: setup
+	$(BIN)/ferry bench --suite throughput
