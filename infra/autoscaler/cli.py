@@ -112,11 +112,7 @@ def _simulate(args: argparse.Namespace, settings: AutoscalerSettings) -> int:
     if not jobs:
         print("empty trace", file=sys.stderr)
         return 2
-    pool = sim.PoolModel(
-        boot_s=args.boot_s, concurrency=args.concurrency, tick_s=settings.autoscale_interval_s
-    )
-    horizon = (
-        max(j.arrival_s + j.service_s for j in jobs) + args.boot_s + settings.autoscale_max_idle_to_zero_s * 2
-    )
+    pool = sim.PoolModel(boot_s=args.boot_s, concurrency=args.concurrency, tick_s=settings.autoscale_interval_s)
+    horizon = max(j.arrival_s + j.service_s for j in jobs) + args.boot_s + settings.autoscale_max_idle_to_zero_s * 2
     print(sim.simulate(jobs, settings.policy(), pool, horizon).summary())
     return 0

@@ -78,9 +78,7 @@ class AutoscaleLoop:
 def _write_row(f: TextIO, model: str, obs: Observation, d: Decision) -> None:
     if f.tell() == 0:
         f.write(",".join(RECORD_FIELDS) + "\n")
-    f.write(
-        f"{obs.t:.3f},{model},{obs.lag},{obs.pending},{obs.live_workers},{d.desired},{d.recommended},{d.reason}\n"
-    )
+    f.write(f"{obs.t:.3f},{model},{obs.lag},{obs.pending},{obs.live_workers},{d.desired},{d.recommended},{d.reason}\n")
     f.flush()
 
 

@@ -23,18 +23,10 @@ class PrometheusGauges:
         self.registry = registry or CollectorRegistry()
         labels = ["model"]
         r = self.registry
-        self.desired = Gauge(
-            "ferry_autoscaler_desired_workers", "Workers the pool should have", labels, registry=r
-        )
-        self.live = Gauge(
-            "ferry_autoscaler_live_workers", "Workers with a live heartbeat", labels, registry=r
-        )
-        self.lag = Gauge(
-            "ferry_autoscaler_queue_lag", "Jobs not yet delivered to a worker", labels, registry=r
-        )
-        self.pending = Gauge(
-            "ferry_autoscaler_queue_pending", "Jobs delivered and not acked", labels, registry=r
-        )
+        self.desired = Gauge("ferry_autoscaler_desired_workers", "Workers the pool should have", labels, registry=r)
+        self.live = Gauge("ferry_autoscaler_live_workers", "Workers with a live heartbeat", labels, registry=r)
+        self.lag = Gauge("ferry_autoscaler_queue_lag", "Jobs not yet delivered to a worker", labels, registry=r)
+        self.pending = Gauge("ferry_autoscaler_queue_pending", "Jobs delivered and not acked", labels, registry=r)
 
     def publish(self, model: str, obs: Observation, decision: Decision) -> None:
         self.desired.labels(model).set(decision.desired)

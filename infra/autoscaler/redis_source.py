@@ -1,33 +1,21 @@
 """Read what the autoscaler decides on from Redis: per-model lag, pending and live workers.
 
-Key names follow DESIGN.md's Redis layout (`{prefix}:q:{model}:{priority}` streams read by the
-consumer group `workers`; `{prefix}:worker:{id}` heartbeat hashes with a `model` field and a
-TTL). `worker/keys.py` owns those names for the worker and the API; the two helpers below
-spell the same names so that the autoscaler image needs nothing from the worker package.
+Key names come from `worker/keys.py`: the model's streams `{prefix}:q:{model}:{priority}` read
+by the consumer group `workers`, and the heartbeats — `{prefix}:workers` (worker id -> time of
+its last heartbeat) and `{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import redis
 
 from infra.autoscaler.policy import Observation
+from worker.keys import GROUP, Keys
 
-PRIORITIES = ("high", "normal", "low")
-GROUP = "workers"
 LAG_SCAN_CAP = 10_000  # most entries counted one by one when Redis cannot report the lag
-
-
-def queue_keys(prefix: str, model: str) -> list[str]:
-    """The model's job streams, highest priority first."""
-    return [f"{prefix}:q:{model}:{priority}" for priority in PRIORITIES]
-
-
-def worker_key_pattern(prefix: str) -> str:
-    """SCAN pattern matching every worker heartbeat hash under `prefix`."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + ":worker:*"
+HEARTBEAT_HORIZON_S = 600  # workers not seen for this long are not even looked up
 
 
 class RedisBacklog:
@@ -35,14 +23,14 @@ class RedisBacklog:
 
     def __init__(self, client: redis.Redis, prefix: str) -> None:
         self.client = client
-        self.prefix = prefix
+        self.keys = Keys(prefix)
 
     def observe(self, models: list[str], t: float) -> dict[str, Observation]:
         live = self.live_workers()
         out = {}
         for model in models:
             lag = pending = 0
-            for key in queue_keys(self.prefix, model):
+            for key in self.keys.queues(model):
                 q_lag, q_pending = self.queue_backlog(key)
                 lag += q_lag
                 pending += q_pending
@@ -66,10 +54,11 @@ class RedisBacklog:
         return int(lag), int(group["pending"])
 
     def live_workers(self) -> Counter[str]:
-        """Live heartbeats per served model (a hash expires when its worker stops renewing)."""
-        keys = list(self.client.scan_iter(match=worker_key_pattern(self.prefix), count=500))
+        """Live workers per served model: recent ids in `{prefix}:workers` whose heartbeat hash
+        has not expired (the hash's TTL, not the sorted set, says whether a worker is alive)."""
+        now, _ = self.client.time()
+        ids = self.client.zrangebyscore(self.keys.workers, now - HEARTBEAT_HORIZON_S, "+inf")
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hget(key, "model")
-        models = pipe.execute(raise_on_error=False)
-        return Counter(m for m in models if isinstance(m, str))
+        for worker_id in ids:
+            pipe.hget(self.keys.worker(worker_id), "model")
+        return Counter(m for m in pipe.execute() if m is not None)

@@ -137,9 +137,7 @@ def simulate(jobs: list[Job], policy: ScalePolicy, pool: PoolModel, horizon_s: f
         ideal_worker_minutes=sum(j.service_s for j in jobs) / pool.concurrency / 60,
         first_worker_s=tuple(first_worker),
         flaps=count_flaps(decisions, pool.flap_window_s),
-        scale_changes=sum(
-            1 for a, b in zip(decisions, decisions[1:], strict=False) if a.desired != b.desired
-        ),
+        scale_changes=sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a.desired != b.desired),
         jobs_done=done,
         jobs_total=len(jobs),
         wait_p50_s=_percentile(waits, 0.50),
@@ -156,9 +154,7 @@ def _resize(workers: list[_Worker], desired: int, t: float, pool: PoolModel) -> 
     if desired > len(active):
         return workers + [_Worker(ready_at=t + pool.boot_s) for _ in range(desired - len(active))]
     # Scale in: cancel the workers still booting first (latest first), then drain the least busy.
-    for w in sorted(active, key=lambda w: (w.ready_at <= t, len(w.finishes), -w.ready_at))[
-        : len(active) - desired
-    ]:
+    for w in sorted(active, key=lambda w: (w.ready_at <= t, len(w.finishes), -w.ready_at))[: len(active) - desired]:
         w.draining = True
     return [w for w in workers if not (w.draining and (not w.finishes or w.ready_at > t))]
 
@@ -188,9 +184,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 # --- traces -------------------------------------------------------------------------------
 
 
-def burst_trace(
-    start_s: float = 300.0, jobs: int = 400, over_s: float = 60.0, service_s: float = 20.0
-) -> list[Job]:
+def burst_trace(start_s: float = 300.0, jobs: int = 400, over_s: float = 60.0, service_s: float = 20.0) -> list[Job]:
     """`jobs` jobs spread evenly over `over_s` seconds, then silence."""
     return [Job(start_s + i * over_s / jobs, service_s) for i in range(jobs)]
 

@@ -16,7 +16,8 @@ from infra.autoscaler import main
 from infra.autoscaler.loop import AutoscaleLoop, read_recording, replay
 from infra.autoscaler.policy import ScalePolicy
 from infra.autoscaler.publish import PrometheusGauges
-from infra.autoscaler.redis_source import GROUP, RedisBacklog, queue_keys
+from infra.autoscaler.redis_source import RedisBacklog
+from worker.keys import GROUP, Keys
 
 pytestmark = pytest.mark.redis
 
@@ -36,18 +37,16 @@ def r():
 
 def test_lag_pending_and_live_workers_per_model(r):
     client, prefix = r
-    high, normal, low = queue_keys(prefix, MODEL)
-    assert normal == f"{prefix}:q:{MODEL}:normal"
+    high, normal, low = Keys(prefix).queues(MODEL)
     client.xgroup_create(high, GROUP, id="0", mkstream=True)
     for i in range(5):
         client.xadd(high, {"job_id": f"h{i}", "attempt": 1})
     client.xreadgroup(GROUP, "w1", {high: ">"}, count=2)  # two running on w1
     for i in range(3):  # queued before any worker made the group: all lag
         client.xadd(low, {"job_id": f"l{i}", "attempt": 1})
-    client.hset(f"{prefix}:worker:w1", mapping={"model": MODEL, "load": 2})
-    client.expire(f"{prefix}:worker:w1", 10)
-    client.hset(f"{prefix}:worker:w2", mapping={"model": "other-model"})
-    client.set(f"{prefix}:worker:w3:note", "not a heartbeat hash")
+    _heartbeat(client, prefix, "w1", MODEL)
+    _heartbeat(client, prefix, "w2", "other-model")
+    client.zadd(f"{prefix}:workers", {"w3": client.time()[0]})  # listed, but its hash expired: dead
 
     got = RedisBacklog(client, prefix).observe([MODEL, "other-model", "absent"], t=1.0)
     assert (got[MODEL].lag, got[MODEL].pending, got[MODEL].live_workers) == (3 + 3, 2, 1)
@@ -57,13 +56,21 @@ def test_lag_pending_and_live_workers_per_model(r):
 
 def test_lag_is_counted_when_redis_cannot_report_it(r):
     client, prefix = r
-    key = queue_keys(prefix, MODEL)[1]
+    key = Keys(prefix).queues(MODEL)[1]
     client.xgroup_create(key, GROUP, id="0", mkstream=True)
     ids = [client.xadd(key, {"job_id": str(i)}) for i in range(4)]
     client.xreadgroup(GROUP, "w1", {key: ">"}, count=1)
     client.xdel(key, ids[2])  # a hole after the last delivered id: XINFO GROUPS lag is nil
     assert next(g for g in client.xinfo_groups(key) if g["name"] == GROUP)["lag"] is None
     assert RedisBacklog(client, prefix).queue_backlog(key) == (2, 1)
+
+
+def _heartbeat(client, prefix: str, worker_id: str, model: str) -> None:
+    """What a worker writes every heartbeat (worker/keys.py)."""
+    keys = Keys(prefix)
+    client.hset(keys.worker(worker_id), mapping={"model": model, "load": 0})
+    client.expire(keys.worker(worker_id), 30)
+    client.zadd(keys.workers, {worker_id: client.time()[0]})
 
 
 @dataclass
@@ -76,7 +83,7 @@ class FakeWorker:
 
 def test_fake_pool_on_real_redis_scales_up_down_to_zero_and_replays(r, tmp_path):
     client, prefix = r
-    keys = queue_keys(prefix, MODEL)
+    keys = Keys(prefix).queues(MODEL)
     for key in keys:
         client.xgroup_create(key, GROUP, id="0", mkstream=True)
     policy = ScalePolicy(
@@ -118,8 +125,7 @@ def _run_workers(client, prefix, keys, workers, t, *, slots, service_s):
             client.xack(key, GROUP, entry)
         if w.ready_at > t:
             continue
-        client.hset(f"{prefix}:worker:{w.name}", mapping={"model": MODEL})
-        client.expire(f"{prefix}:worker:{w.name}", 30)
+        _heartbeat(client, prefix, w.name, MODEL)
         free = 0 if w.draining else slots - len(w.running)
         for key in keys:  # highest priority first
             if free <= 0:
@@ -143,7 +149,7 @@ def _resize(client, prefix, workers, desired, t, *, boot_s):
 
 def test_cli_once_dry_run_prints_decisions(r, monkeypatch, capsys):
     client, prefix = r
-    client.xadd(queue_keys(prefix, MODEL)[1], {"job_id": "x", "attempt": 1})
+    client.xadd(Keys(prefix).queues(MODEL)[1], {"job_id": "x", "attempt": 1})
     monkeypatch.setenv("FERRY_KEY_PREFIX", prefix)
     monkeypatch.setenv("FERRY_REDIS_URL", "redis://127.0.0.1:6379/0")
     monkeypatch.setenv("FERRY_AUTOSCALE_MODELS", f"{MODEL},idle-model")

@@ -9,14 +9,15 @@ import pytest
 import yaml
 
 from api.settings import ApiSettings
-from infra.autoscaler.redis_source import GROUP, queue_keys
 from infra.autoscaler.settings import AutoscalerSettings
 from tests.infra.hcl import TERRAFORM
+from worker.keys import GROUP, Keys
 from worker.settings import WorkerSettings
+from worker.webhooks import WebhookSettings
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 K8S = INFRA / "k8s"
-SETTINGS = (WorkerSettings, ApiSettings, AutoscalerSettings)
+SETTINGS = (WorkerSettings, ApiSettings, WebhookSettings, AutoscalerSettings)
 FERRY_VARS = {"FERRY_" + name.upper() for cls in SETTINGS for name in cls.model_fields}
 
 # Variables that are not Ferry settings but are read by a library or the image itself.
@@ -90,7 +91,7 @@ def test_prometheus_scrapes_every_ferry_process(compose):
     env = compose["services"]
     assert f"api:{env['api']['environment']['FERRY_PORT']}" in targets
     assert f"worker:{env['worker']['environment']['FERRY_METRICS_PORT']}" in targets
-    assert f"webhooks:{env['webhooks']['environment']['FERRY_METRICS_PORT']}" in targets
+    assert f"webhooks:{env['webhooks']['environment']['FERRY_WEBHOOK_METRICS_PORT']}" in targets
     assert f"autoscaler:{env['autoscaler']['environment']['FERRY_AUTOSCALE_METRICS_PORT']}" in targets
 
 
@@ -219,12 +220,12 @@ def test_api_has_service_pdb_and_readiness(k8s):
 
 
 def test_keda_scales_the_worker_from_zero_on_lag_and_pending(k8s):
-    kustomization, objects, config = k8s
+    _, objects, config = k8s
     so = _get(objects, "ScaledObject", "ferry-worker-demo")["spec"]
     assert so["scaleTargetRef"]["name"] == "ferry-worker"
     assert so["minReplicaCount"] == 0 and so["maxReplicaCount"] >= 1
     assert so["cooldownPeriod"] > 0 and so["pollingInterval"] > 0
-    streams = set(queue_keys(config["ferry-config"]["FERRY_KEY_PREFIX"], config["ferry-config"]["FERRY_MODEL_NAME"]))
+    streams = set(Keys(config["ferry-config"]["FERRY_KEY_PREFIX"]).queues(config["ferry-config"]["FERRY_MODEL_NAME"]))
     lag = {t["metadata"]["stream"] for t in so["triggers"] if "lagCount" in t["metadata"]}
     pending = {t["metadata"]["stream"] for t in so["triggers"] if "pendingEntriesCount" in t["metadata"]}
     assert lag == pending == streams
@@ -233,9 +234,8 @@ def test_keda_scales_the_worker_from_zero_on_lag_and_pending(k8s):
         assert t["authenticationRef"]["name"] == "ferry-redis"
         if "lagCount" in t["metadata"]:
             assert t["metadata"]["activationLagCount"] == "0"
-    _get(objects, "TriggerAuthentication", "ferry-redis")
-    (replacement,) = kustomization["replacements"]
-    assert replacement["targets"][0]["fieldPaths"] == ["spec.triggers.*.metadata.address"]
+    auth = _get(objects, "TriggerAuthentication", "ferry-redis")["spec"]["secretTargetRef"]
+    assert {a["parameter"] for a in auth} == {"address", "password", "tls"}
 
 
 def test_service_monitor_finds_every_metrics_port(k8s):
