@@ -19,8 +19,9 @@ demo: setup
 	$(BIN)/ferry generate
 
 test: setup
-	$(BIN)/ruff check worker api kernels bench tests
+	$(BIN)/ruff check worker api kernels bench infra tests
 	$(BIN)/pytest -q -p no:cacheprovider
+	bash infra/check.sh
 
 bench: setup
 	$(BIN)/ferry bench --suite throughput
