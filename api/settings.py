@@ -18,10 +18,18 @@ class ApiSettings(BaseSettings):
     api_keys_file: str | None = None
     max_body_bytes: int = 1 << 20
     max_queue_len: int = 10_000  # 429 above this many waiting jobs for a model
+    retry_after_s: int = 5  # the Retry-After a 429 suggests
+    # Models accepted even with no live worker (scale to zero: the queue wakes the pool),
+    # comma-separated; models whose workers sent a heartbeat recently are always accepted.
+    models: str | None = None
+    model_liveness_s: float = 15.0  # a model is live while a worker's heartbeat is this recent
+    max_wait_s: float = 60.0  # cap on `Prefer: wait=N`
+    idempotency_ttl_s: int = 86400
     job_ttl_s: float = 3600.0
     job_timeout_s: float = 600.0
     result_ttl_s: int = 86400
     sse_keepalive_s: float = 15.0
+    log_level: str = "INFO"
 
     # Webhooks (the Celery app in worker/webhooks.py reads the same variables)
     webhook_secret: str | None = None  # "whsec_<base64>"

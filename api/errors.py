@@ -1,0 +1,148 @@
+"""One error shape for every failure: `{"error": {"code", "message", "field"?}}`.
+
+`code` is stable (clients branch on it); `message` is for people; `field` names the offending
+request field on validation errors. Bad input is never a 500: validation errors, malformed JSON,
+unknown routes and wrong methods all map to 4xx here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("ferry.api")
+
+# HTTP status -> the code used when Starlette itself answers (unknown route, wrong method, ...).
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "rate_limited",
+}
+
+
+class ApiError(Exception):
+    """Raised anywhere in a request; rendered as the one error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict:
+    error = {"code": code, "message": message}
+    if field is not None:
+        error["field"] = field
+    return {"error": error}
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(code, message, field), status_code=status, headers=headers)
+
+
+def not_found(what: str, ident: str) -> ApiError:
+    return ApiError(404, f"{what}_not_found", f"{what.replace('_', ' ')} {ident!r} not found")
+
+
+def _field_name(loc: tuple) -> str | None:
+    # loc: ("body", "input", "messages", 0, "content") -> "input.messages[0].content"
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    name = ""
+    for part in parts:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name or None
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    field = _field_name(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return error_response(422, "invalid_json", f"request body is not valid JSON: {first.get('msg')}")
+    message = str(first.get("msg", "invalid request"))
+    return error_response(422, "invalid_request", f"{field}: {message}" if field else message, field)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = _STATUS_CODES.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, "internal_error", "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: answer 413 before the app sees a body over `max_bytes`.
+
+    Bodies are read up front (they are small JSON documents) and replayed to the app, so a
+    chunked upload without Content-Length is limited as well as one that declares its size.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        response = error_response(413, "body_too_large", f"request body is over the {self.max_bytes}-byte limit")
+        await response(scope, receive, send)

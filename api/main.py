@@ -1,0 +1,108 @@
+"""The HTTP API process: `create_app()` and `ferry api [--host H] [--port P]`.
+
+The API is thin: it validates, enqueues on Redis and streams events back; it holds no job state
+of its own, so any number of replicas can run behind a load balancer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aredis
+from fastapi import FastAPI
+
+from api.auth import KeyRing
+from api.errors import BodyLimitMiddleware, install_error_handlers
+from api.routes import health, jobs, openai
+from api.services import ApiMetrics, Services
+from api.settings import ApiSettings
+from api.streaming import PubSubHub
+from worker.webhook_keys import WebhookKeys
+
+log = logging.getLogger("ferry.api")
+
+
+class RequestMetricsMiddleware:
+    """Pure ASGI (streams pass through untouched): counts answers by route template and status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            services = getattr(scope["app"].state, "services", None)
+            route = scope.get("route")
+            if services is not None:
+                path = route.path if route is not None else "unmatched"
+                services.metrics.requests.labels(scope["method"], path, str(status)).inc()
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    settings = settings or ApiSettings()
+    keyring = KeyRing.parse(settings.api_keys, settings.api_keys_file)
+    configured = frozenset(m.strip() for m in (settings.models or "").split(",") if m.strip())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = aredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        hub = PubSubHub(client)
+        hub.start()
+        app.state.services = Services(
+            settings=settings,
+            redis=client,
+            keys=WebhookKeys(settings.key_prefix),
+            hub=hub,
+            keyring=keyring,
+            metrics=ApiMetrics(lambda: hub.num_followers),
+            configured_models=configured,
+        )
+        keyring.announce()
+        try:
+            yield
+        finally:
+            await hub.close()
+            await client.aclose()
+
+    app = FastAPI(
+        title="Ferry",
+        version="1",
+        summary="Async LLM inference jobs, resumable SSE, and an OpenAI-compatible API",
+        lifespan=lifespan,
+    )
+    app.state.keyring = keyring
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware)
+    app.include_router(jobs.router)
+    app.include_router(openai.router)
+    app.include_router(health.router)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ferry api`: serve the API with uvicorn."""
+    import uvicorn
+
+    settings = ApiSettings()
+    parser = argparse.ArgumentParser(prog="ferry api", description=main.__doc__)
+    parser.add_argument("--host", default=settings.host, help=f"bind address (FERRY_HOST, default {settings.host})")
+    parser.add_argument("--port", type=int, default=settings.port, help=f"port (FERRY_PORT, default {settings.port})")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower(), access_log=False)
+    return 0

@@ -1,0 +1,194 @@
+"""The async jobs API: submit, look up, follow (SSE, resumable), cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from api.auth import tenant
+from api.errors import ApiError
+from api.schemas import (
+    JobCreate,
+    JobErrorInfo,
+    JobOutput,
+    JobUrls,
+    JobView,
+    WebhookDelivery,
+    error_responses,
+)
+from api.services import Services, get_job, resolve_model, services, submit
+from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse
+from worker.protocol import (
+    TERMINAL_EVENT_TYPES,
+    TERMINAL_STATES,
+    JobRecord,
+    JobRequest,
+    JobState,
+    cancel_job_async,
+    encode_event,
+)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+JobId = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Svc = Annotated[Services, Depends(services)]
+Tenant = Annotated[str, Depends(tenant)]
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
+
+
+def job_request(body: JobCreate, model: str, tenant_name: str, svc: Services) -> JobRequest:
+    """The wire request for a submitted job; sampling errors are 422s naming `input.<field>`."""
+    fields = body.input.model_dump(exclude={"model", "max_completion_tokens"}, exclude_unset=True)
+    if body.input.max_completion_tokens is not None:
+        fields["max_tokens"] = body.input.max_completion_tokens
+    try:
+        return JobRequest(
+            **fields,
+            model=model,
+            tenant=tenant_name,
+            priority=body.priority,
+            ttl_s=body.ttl_s or svc.settings.job_ttl_s,
+            timeout_s=body.timeout_s or svc.settings.job_timeout_s,
+            metadata=body.metadata,
+            webhook=body.webhook,
+            cache_salt=tenant_name,  # tenants never share prefix-cache entries (no timing side channel)
+        )
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", "input", *e["loc"])} for e in exc.errors()]) from exc
+
+
+def urls(job_id: str) -> JobUrls:
+    base = f"/v1/jobs/{job_id}"
+    return JobUrls(self=base, events=f"{base}/events", cancel=f"{base}/cancel")
+
+
+def job_view(record: JobRecord, deliveries: dict[str, str] | None = None) -> JobView:
+    output = None
+    if record.state == JobState.succeeded:
+        output = JobOutput(
+            text=record.text or "",
+            token_ids=record.token_ids or [],
+            finish_reason=record.finish_reason,
+            stop_reason=record.stop_reason,
+        )
+    error = JobErrorInfo(code=record.error_code, message=record.error_message or "") if record.error_code else None
+    return JobView(
+        id=record.id,
+        status=record.state,
+        model=record.model,
+        priority=record.priority,
+        created_at=record.created_at,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        attempts=record.attempts,
+        output=output,
+        usage=record.usage,
+        timings=record.timings,
+        error=error,
+        metadata=record.request.metadata if record.request else {},
+        webhook_deliveries={k: WebhookDelivery(**json.loads(v)) for k, v in (deliveries or {}).items()},
+        urls=urls(record.id),
+    )
+
+
+async def wait_until_terminal(svc: Services, job_id: str, timeout_s: float) -> None:
+    """Return when the job's terminal event is out, or after `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for event in follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=svc.settings.sse_keepalive_s):
+                if event is not None and event.type in TERMINAL_EVENT_TYPES:
+                    return
+    except TimeoutError:
+        return
+
+
+def _prefer_wait(prefer: str | None, cap_s: float) -> float:
+    match = _PREFER_WAIT.search(prefer or "")
+    return min(float(match.group(1)), cap_s) if match else 0.0
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobView,
+    responses={200: {"model": JobView, "description": "finished within `Prefer: wait=N`"}}
+    | error_responses(401, 404, 409, 413, 422, 429),
+    summary="Submit a job",
+)
+async def create_job(
+    body: JobCreate,
+    svc: Svc,
+    tenant_name: Tenant,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
+    prefer: Annotated[str | None, Header(description="`wait=N`: block up to N seconds for the result")] = None,
+):
+    model = await resolve_model(svc, body.input.model, field="input.model")
+    request = job_request(body, model, tenant_name, svc)
+    result = await submit(svc, request, idempotency_key, source="jobs")
+    wait_s = _prefer_wait(prefer, svc.settings.max_wait_s)
+    if wait_s > 0:
+        await wait_until_terminal(svc, result.job_id, wait_s)
+    record = await get_job(svc, result.job_id, tenant_name)
+    headers = {"Location": urls(record.id).self}
+    if wait_s > 0:
+        headers["Preference-Applied"] = f"wait={wait_s:g}"
+    if not result.created:
+        headers["Idempotent-Replayed"] = "true"
+    view = job_view(record)
+    return JSONResponse(view.model_dump(mode="json"), status_code=200 if record.terminal else 202, headers=headers)
+
+
+@router.get("/{job_id}", response_model=JobView, responses=error_responses(401, 404, 422), summary="Get a job")
+async def read_job(job_id: JobId, svc: Svc, tenant_name: Tenant) -> JobView:
+    record = await get_job(svc, job_id, tenant_name)
+    return job_view(record, await svc.redis.hgetall(svc.keys.webhook_deliveries(job_id)))
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "SSE"}}
+    | error_responses(401, 404, 422),
+    summary="Follow a job's events (SSE; Last-Event-ID resumes)",
+)
+async def job_events(
+    job_id: JobId,
+    svc: Svc,
+    tenant_name: Tenant,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", pattern=r"^\d{1,9}$")] = None,
+):
+    await get_job(svc, job_id, tenant_name)
+    after = int(last_event_id) if last_event_id is not None else -1
+
+    async def stream():
+        async for event in follow_events(svc.redis, svc.hub, svc.keys, job_id, after, svc.settings.sse_keepalive_s):
+            yield KEEPALIVE if event is None else sse(encode_event(event), event=event.type, id=event.seq)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobView,
+    responses={202: {"model": JobView, "description": "cancellation requested; the worker stops within a step"}}
+    | error_responses(401, 404, 409, 422),
+    summary="Cancel a job",
+)
+async def cancel(job_id: JobId, svc: Svc, tenant_name: Tenant):
+    record = await get_job(svc, job_id, tenant_name)
+    if record.terminal and record.state != JobState.cancelled:
+        raise ApiError(409, "job_finished", f"job {job_id!r} already {record.state.value}")
+    state = await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
+    if state is None:
+        raise ApiError(404, "job_not_found", f"job {job_id!r} not found")
+    if state in TERMINAL_STATES and state != JobState.cancelled:  # it finished in the meantime
+        raise ApiError(409, "job_finished", f"job {job_id!r} already {state.value}")
+    record = await get_job(svc, job_id, tenant_name)
+    return JSONResponse(job_view(record).model_dump(mode="json"), status_code=200 if record.terminal else 202)

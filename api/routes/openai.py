@@ -1,0 +1,366 @@
+"""OpenAI-compatible completions, chat completions and models, through the same job queue.
+
+A request becomes a job like any other (so it is queued, prioritised, retried and visible at
+`/v1/jobs/{id}`); the handler follows the job's events and answers in OpenAI's shapes, as one
+JSON body or as `stream: true` SSE chunks ending in `data: [DONE]`. A client that goes away
+cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from api.auth import tenant
+from api.errors import ApiError
+from api.openai_schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    sse_200,
+)
+from api.schemas import error_responses
+from api.services import Services, resolve_model, services, submit
+from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
+from worker.protocol import (
+    TERMINAL_EVENT_TYPES,
+    ErrorCode,
+    Event,
+    JobRequest,
+    TokenLogprob,
+    Usage,
+    cancel_job_async,
+)
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+Svc = Annotated[Services, Depends(services)]
+Tenant = Annotated[str, Depends(tenant)]
+
+_SAMPLING = (
+    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+)
+_INPUT_ERRORS = {
+    ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG
+}
+_PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
+_TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
+
+
+# --- requests -> jobs ----------------------------------------------------------------------------
+
+
+def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) -> JobRequest:
+    for name in _SAMPLING:
+        value = getattr(body, name)
+        if value is not None and name not in fields:
+            fields[name] = value
+    if body.logit_bias:
+        raise ApiError(422, "unsupported", "logit_bias is not supported", field="logit_bias")
+    try:
+        return JobRequest(
+            model=model,
+            tenant=tenant_name,
+            cache_salt=tenant_name,
+            ttl_s=svc.settings.job_ttl_s,
+            timeout_s=svc.settings.job_timeout_s,
+            metadata={"api": "openai", "user": body.user} if body.user else {"api": "openai"},
+            **fields,
+        )
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+
+
+def _one_prompt(prompt):
+    """OpenAI allows a batch of prompts; Ferry takes one per request (n=1)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(422, "invalid_request", "prompt: give one prompt per request", field="prompt")
+        return prompt[0]
+    return prompt
+
+
+def completion_job(svc: Services, tenant_name: str, model: str, body: CompletionRequest) -> JobRequest:
+    if body.echo:
+        raise ApiError(422, "unsupported", "echo is not supported", field="echo")
+    if body.suffix:
+        raise ApiError(422, "unsupported", "suffix is not supported", field="suffix")
+    fields = {"prompt": _one_prompt(body.prompt)}
+    if body.logprobs is not None:
+        fields |= {"logprobs": True, "top_logprobs": body.logprobs}
+    return _job_request(svc, tenant_name, model, body, **fields)
+
+
+def chat_job(svc: Services, tenant_name: str, model: str, body: ChatCompletionRequest) -> JobRequest:
+    fields: dict = {"messages": body.messages}
+    if body.max_completion_tokens is not None:
+        fields["max_tokens"] = body.max_completion_tokens
+    if body.logprobs:
+        fields |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
+    return _job_request(svc, tenant_name, model, body, **fields)
+
+
+# --- events -> OpenAI shapes ---------------------------------------------------------------------
+
+
+def _token(lp) -> str:
+    return lp.token if lp.token is not None else f"token_id:{lp.token_id}"
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> dict:
+    tokens = [_token(lp) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{_token(t): t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:
+    def entry(lp) -> dict:
+        token = _token(lp)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    return {"content": [entry(lp) | {"top_logprobs": [entry(t) for t in lp.top]} for lp in logprobs]}
+
+
+def usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def job_error(event) -> ApiError:
+    """The HTTP error for a job that ended without a completion."""
+    if event.type == "cancelled":
+        return ApiError(409, "job_cancelled", "the job was cancelled")
+    if event.type == "timed_out":
+        return ApiError(504, event.code, event.message)
+    if event.code in _INPUT_ERRORS:
+        return ApiError(422, event.code, event.message)
+    return ApiError(500, event.code, event.message)
+
+
+@dataclass(slots=True)
+class Shape:
+    """How one API renders a job: a chunk per token event, and the final body."""
+
+    id: str
+    model: str
+    created: int
+    chat: bool
+    logprobs: bool
+    text: str = ""  # everything released so far
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None = None) -> dict:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "delta": {"content": text} if text or finish_reason is None else {},
+                "logprobs": chat_logprobs(logprobs) if self.logprobs and logprobs else None,
+                "finish_reason": finish_reason,
+            }
+            return self._head("chat.completion.chunk") | {"choices": [choice]}
+        lps = completion_logprobs(logprobs, len(self.text)) if self.logprobs and logprobs else None
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish_reason}
+        return self._head("text_completion") | {"choices": [choice]}
+
+    def first_chunk(self) -> dict | None:
+        if not self.chat:
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._head("chat.completion.chunk") | {"choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [],
+            "usage": usage_json(usage),
+        }
+
+    def body(self, finish_reason: str, usage: Usage) -> dict:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "logprobs": chat_logprobs(self.token_logprobs) if self.logprobs else None,
+                "finish_reason": finish_reason,
+            }
+            head = self._head("chat.completion")
+        else:
+            lps = completion_logprobs(self.token_logprobs, 0) if self.logprobs else None
+            choice = {"index": 0, "text": self.text, "logprobs": lps, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return head | {"choices": [choice], "usage": usage_json(usage)}
+
+
+# --- running a job for one HTTP request ----------------------------------------------------------
+
+
+async def _cancel_quietly(svc: Services, job_id: str) -> None:
+    with anyio.CancelScope(shield=True):
+        await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
+
+
+async def _answer(svc: Services, http: Request, job: JobRequest, shape_for: Callable[[str], Shape], stream: bool,
+                  include_usage: bool):
+    result = await submit(svc, job, None, source="openai")
+    shape = shape_for(result.job_id)
+    events = follow_events(svc.redis, svc.hub, svc.keys, result.job_id, idle_s=_TICK_S)
+    if stream:
+        return await _stream(svc, http, result.job_id, events, shape, include_usage)
+    try:
+        deadline = (job.ttl_s or 0) + (job.timeout_s or 0) + 30
+        async with asyncio.timeout(deadline):
+            async for event in events:
+                if event is None:
+                    if await http.is_disconnected():
+                        await _cancel_quietly(svc, result.job_id)
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event.type == "token":
+                    shape.text += event.text
+                    shape.token_logprobs += event.logprobs or []
+                elif event.type == "completed":
+                    return JSONResponse(shape.body(event.finish_reason, event.usage))
+                elif event.type in TERMINAL_EVENT_TYPES:
+                    raise job_error(event)
+    except TimeoutError:
+        await _cancel_quietly(svc, result.job_id)
+        raise ApiError(504, "timeout", "no result in time; the job was cancelled") from None
+    finally:
+        await events.aclose()
+
+
+async def _prime(events: AsyncIterator[Event | None]) -> list[Event]:
+    """Events up to the job's first token or end, or what came within `_PRIME_S`: so a job that
+    fails at once (say, a prompt too long) is still answered with an HTTP error status."""
+    buffered: list[Event] = []
+    started = time.monotonic()
+    async for event in events:
+        if event is not None:
+            buffered.append(event)
+            if event.type != "started":
+                break
+        elif time.monotonic() - started > _PRIME_S:
+            break
+    return buffered
+
+
+async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shape, include_usage: bool):
+    try:
+        buffered = await _prime(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    if buffered and buffered[-1].type in TERMINAL_EVENT_TYPES and buffered[-1].type != "completed":
+        await events.aclose()
+        raise job_error(buffered[-1])
+
+    def chunk(payload: dict) -> str:
+        if include_usage and "usage" not in payload:
+            payload["usage"] = None
+        return sse_json(payload)
+
+    async def body():
+        finished = False
+        last_write = time.monotonic()
+        try:
+            if (first := shape.first_chunk()) is not None:
+                yield chunk(first)
+            pending = list(buffered)
+            while True:
+                event = pending.pop(0) if pending else await anext(events)
+                if event is None:
+                    if time.monotonic() - last_write >= svc.settings.sse_keepalive_s:
+                        last_write = time.monotonic()
+                        yield KEEPALIVE
+                    continue
+                last_write = time.monotonic()
+                if event.type == "token":
+                    if event.text or (shape.logprobs and event.logprobs):
+                        yield chunk(shape.chunk(event.text, event.logprobs))
+                    shape.text += event.text
+                elif event.type == "completed":
+                    yield chunk(shape.chunk("", None, event.finish_reason))
+                    if include_usage:
+                        yield chunk(shape.usage_chunk(event.usage))
+                    break
+                elif event.type in TERMINAL_EVENT_TYPES:
+                    error = job_error(event)
+                    yield sse_json({"error": {"code": error.code, "message": error.message}})
+                    break
+            yield sse("[DONE]")
+            finished = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+            if not finished:  # the client went away mid-stream
+                await _cancel_quietly(svc, job_id)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post(
+    "/completions",
+    response_model=CompletionResponse,
+    responses=sse_200(CompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 504),
+    summary="Create a completion (OpenAI-compatible)",
+)
+async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
+    model = await resolve_model(svc, body.model)
+    job = completion_job(svc, tenant_name, model, body)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+    def shape(job_id: str) -> Shape:
+        return Shape(f"cmpl-{job_id}", model, int(job.created_at), chat=False, logprobs=body.logprobs is not None)
+
+    return await _answer(svc, http, job, shape, body.stream, include_usage)
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=sse_200(ChatCompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 504),
+    summary="Create a chat completion (OpenAI-compatible)",
+)
+async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
+    model = await resolve_model(svc, body.model)
+    job = chat_job(svc, tenant_name, model, body)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+    def shape(job_id: str) -> Shape:
+        return Shape(f"chatcmpl-{job_id}", model, int(job.created_at), chat=True, logprobs=body.logprobs)
+
+    return await _answer(svc, http, job, shape, body.stream, include_usage)
+
+
+@router.get("/models", response_model=ModelList, responses=error_responses(401), summary="Models with a live worker")
+async def models(svc: Svc, _: Tenant) -> ModelList:
+    since = time.time() - svc.settings.model_liveness_s
+    live = await svc.redis.zrangebyscore(svc.keys.models, since, "+inf", withscores=True)
+    return ModelList(data=[ModelCard(id=name, created=int(score)) for name, score in live])

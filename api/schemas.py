@@ -1,0 +1,96 @@
+"""Request and response bodies of the jobs API (the OpenAI ones are in api/openai_schemas.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
+
+# JobRequest fields the API sets itself or takes from the job envelope rather than from `input`.
+_NOT_INPUT = {"model", "tenant", "created_at", "priority", "ttl_s", "timeout_s", "metadata", "webhook", "cache_salt"}
+
+# `input`: a completion (`prompt`) or chat (`messages`) request with OpenAI's field names; the
+# sampling fields and their limits are JobRequest's own, so the API and the worker agree.
+JobInput = create_model(
+    "JobInput",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="A completion (`prompt`) or chat (`messages`) request, OpenAI field names.",
+    model=(str | None, Field(default=None, description="may be omitted while exactly one model is served")),
+    max_completion_tokens=(int | None, Field(default=None, ge=1, description="chat name of max_tokens")),
+    **{name: (field.annotation, field) for name, field in JobRequest.model_fields.items() if name not in _NOT_INPUT},
+)
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input: JobInput  # type: ignore[valid-type]
+    webhook: Webhook | None = None
+    priority: Priority = Priority.normal
+    ttl_s: float | None = Field(default=None, gt=0, description="max seconds queued before it starts")
+    timeout_s: float | None = Field(default=None, gt=0, description="max seconds running")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="returned as given, also in webhooks")
+
+
+class JobOutput(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class JobErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class JobUrls(BaseModel):
+    self: str
+    events: str
+    cancel: str
+
+
+class WebhookDelivery(BaseModel):
+    webhook_id: str
+    url: str
+    outcome: str  # delivered | failed | refused | rejected | gone
+    status_code: int | None = None
+    attempts: int
+    detail: str
+    at: float
+
+
+class JobView(BaseModel):
+    id: str
+    object: str = "job"
+    status: JobState
+    model: str
+    priority: Priority
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    output: JobOutput | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: JobErrorInfo | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    webhook_deliveries: dict[str, WebhookDelivery] = Field(default_factory=dict)
+    urls: JobUrls
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for the error statuses a route can answer."""
+    return {status: {"model": ErrorResponse} for status in statuses}

@@ -1,0 +1,164 @@
+"""Following a job's events: replay the durable stream, then live pub/sub, once each, in order.
+
+A job's events are numbered by `seq` without gaps and stored in `{p}:job:{id}:events` with
+entry id `{seq}-1` (worker/protocol.py). A follower subscribes first, then replays the stream
+after the last seq it has, then takes live messages, dropping any seq it already has and going
+back to the stream when it sees a gap or the pub/sub connection was lost. So a client that
+connects before, during or after the run, or resumes with `Last-Event-ID`, sees every event
+exactly once.
+
+One pub/sub connection per API process serves every follower (`PubSubHub`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+import redis.asyncio as aredis
+from redis.exceptions import RedisError
+
+from worker.keys import Keys
+from worker.protocol import TERMINAL_EVENT_TYPES, Event, decode_event, event_from_fields
+
+log = logging.getLogger("ferry.api")
+
+RESYNC = object()  # put on every follower's queue when live messages may have been missed
+_REPLAY_PAGE = 1000
+
+
+class PubSubHub:
+    """One pub/sub connection shared by the process: channel -> the queues of its followers."""
+
+    def __init__(self, client: aredis.Redis):
+        self._client = client
+        self._pubsub = client.pubsub()
+        self._queues: dict[str, set[asyncio.Queue]] = {}
+        self._subscribed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._read(), name="pubsub-hub")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._pubsub.aclose()
+
+    @property
+    def num_followers(self) -> int:
+        return sum(len(queues) for queues in self._queues.values())
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: str) -> AsyncIterator[asyncio.Queue]:
+        queue: asyncio.Queue = asyncio.Queue()
+        followers = self._queues.setdefault(channel, set())
+        followers.add(queue)
+        try:
+            if len(followers) == 1:
+                await self._pubsub.subscribe(channel)
+            self._subscribed.set()
+            yield queue
+        finally:
+            followers.discard(queue)
+            if not followers and self._queues.get(channel) is followers:
+                del self._queues[channel]
+                # Shielded: a follower is often closed by a cancelled request (client gone).
+                with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                    await self._pubsub.unsubscribe(channel)
+
+    async def _read(self) -> None:
+        while True:
+            if not self._queues:
+                self._subscribed.clear()
+                await self._subscribed.wait()
+                continue
+            try:
+                message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            except (RedisError, OSError) as exc:
+                # redis-py reconnects and re-subscribes on the next call; what was published in
+                # between is lost, so every follower re-reads its stream.
+                log.warning("pub/sub connection error (%s): followers resync from the streams", exc)
+                for followers in self._queues.values():
+                    for queue in followers:
+                        queue.put_nowait(RESYNC)
+                await asyncio.sleep(0.5)
+                continue
+            if message is not None and message["type"] == "message":
+                for queue in self._queues.get(message["channel"], ()):
+                    queue.put_nowait(message["data"])
+
+
+async def read_events_after(client: aredis.Redis, keys: Keys, job_id: str, after: int) -> list[Event]:
+    """Stored events with seq > `after` (-1: all), in order."""
+    events: list[Event] = []
+    start = "-" if after < 0 else f"({after}-1"
+    while True:
+        entries = await client.xrange(keys.events(job_id), min=start, max="+", count=_REPLAY_PAGE)
+        events += [event_from_fields(fields) for _, fields in entries]
+        if len(entries) < _REPLAY_PAGE:
+            return events
+        start = f"({entries[-1][0]}"
+
+
+async def _is_terminal(client: aredis.Redis, keys: Keys, job_id: str, seq: int) -> bool:
+    entries = await client.xrange(keys.events(job_id), min=f"{seq}-1", max=f"{seq}-1")
+    return bool(entries) and entries[0][1].get("type") in TERMINAL_EVENT_TYPES
+
+
+async def follow_events(
+    client: aredis.Redis, hub: PubSubHub, keys: Keys, job_id: str, after: int = -1, idle_s: float = 15.0
+) -> AsyncIterator[Event | None]:
+    """Yield the job's events with seq > `after` once each, in order, ending with the terminal
+    one. Yields None after `idle_s` without an event (time for a keep-alive)."""
+    if after >= 0 and await _is_terminal(client, keys, job_id, after):
+        return  # resuming after the last event: nothing follows
+    async with hub.subscribe(keys.channel(job_id)) as live:
+        last = after
+        while True:
+            for event in await read_events_after(client, keys, job_id, last):
+                yield event
+                last = event.seq
+                if event.type in TERMINAL_EVENT_TYPES:
+                    return
+            while True:
+                try:
+                    data = await asyncio.wait_for(live.get(), idle_s)
+                except TimeoutError:
+                    yield None
+                    break  # re-read the stream after every idle spell: nothing can stay missed
+                if data is RESYNC:
+                    break
+                event = decode_event(data)
+                if event.seq <= last:
+                    continue
+                if event.seq != last + 1:
+                    break  # a gap: the stream has what pub/sub skipped
+                yield event
+                last = event.seq
+                if event.type in TERMINAL_EVENT_TYPES:
+                    return
+
+
+def sse(data: str, *, event: str | None = None, id: int | str | None = None) -> str:
+    """One SSE message; `data` is a single line (JSON)."""
+    head = ""
+    if id is not None:
+        head += f"id: {id}\n"
+    if event is not None:
+        head += f"event: {event}\n"
+    return f"{head}data: {data}\n\n"
+
+
+def sse_json(payload: dict, **kwargs) -> str:
+    return sse(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), **kwargs)
+
+
+KEEPALIVE = ": keep-alive\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
