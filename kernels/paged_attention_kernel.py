@@ -45,6 +45,68 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32: unnormalised output so far
+    m_i,  # [BLOCK_M] fp32: running max of the scores (log2 domain)
+    l_i,  # [BLOCK_M] fp32: running softmax denominator
+    q,  # [BLOCK_M, HEAD_DIM_PAD] in the cache dtype
+    k_head,  # k_cache_ptr advanced to this program's KV head
+    v_head,  # v_cache_ptr advanced to this program's KV head
+    block_table,  # [max_blocks_per_seq] int32: this sequence's row of block_tables
+    lo,  # first context position (a multiple of TILE)
+    hi,  # one past the last position this call walks
+    kv_hi,  # one past the last position that exists for this program
+    last_visible,  # [BLOCK_M] int32: last position each row sees
+    scale_log2,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    dims,  # [HEAD_DIM_PAD] int32
+    dim_ok,  # [HEAD_DIM_PAD] bool
+    TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,  # apply the causal and end-of-context mask (else every position is visible)
+    FP32_DOT: tl.constexpr,
+):
+    """Online softmax over positions lo .. hi in TILE steps, gathering K/V through the block table."""
+    offs = tl.arange(0, TILE)
+    for tile_start in range(lo, hi, TILE):
+        pos = tile_start + offs
+        pos_ok = pos < kv_hi
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        # k: [HEAD_DIM_PAD, TILE], already transposed for q @ k
+        k = tl.load(
+            k_head + block[None, :] * stride_kb + in_block[None, :] * stride_kt + dims[:, None],
+            mask=pos_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )
+        s = _dot(q, k, FP32_DOT) * scale_log2
+        if MASKED:
+            visible = pos_ok[None, :] & (pos[None, :] <= last_visible[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead of inf - inf.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # v: [TILE, HEAD_DIM_PAD]
+        v = tl.load(
+            v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vt + dims[None, :],
+            mask=pos_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM] (unused when SPLIT)
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32 (SPLIT only)
@@ -117,35 +179,18 @@ def _paged_attention_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    offs = tl.arange(0, TILE)
-    for tile_start in range(kv_lo, kv_hi, TILE):
-        pos = tile_start + offs
-        pos_ok = pos < kv_hi
-        block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
-        # k: [HEAD_DIM_PAD, TILE], already transposed for q @ k
-        k = tl.load(
-            k_head + block[None, :] * stride_kb + in_block[None, :] * stride_kt + dims[:, None],
-            mask=pos_ok[None, :] & dim_ok[:, None],
-            other=0.0,
-        )
-        s = _dot(q, k, FP32_DOT) * scale_log2
-        visible = pos_ok[None, :] & (pos[None, :] <= last_visible[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # v: [TILE, HEAD_DIM_PAD]
-        v = tl.load(
-            v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vt + dims[None, :],
-            mask=pos_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v_cache_ptr.dtype.element_ty), v, FP32_DOT)
-        m_i = m_new
+    # Every row sees the positions before context_len + q_block * BLOCK_Q + 1: whole tiles there
+    # need no causal mask (most of a long prefill, all but the last tile of a decode).
+    all_visible = tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1)
+    unmasked_hi = tl.maximum(kv_lo, all_visible // TILE * TILE)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_head, v_head, block_table, kv_lo, unmasked_hi, kv_hi, last_visible, scale_log2,
+        stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, False, FP32_DOT,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_head, v_head, block_table, unmasked_hi, kv_hi, kv_hi, last_visible, scale_log2,
+        stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, True, FP32_DOT,
+    )  # fmt: skip
 
     if SPLIT:
         num_splits = tl.num_programs(2)

@@ -21,6 +21,8 @@ BATCHES = {
     "block_multiple": ([1, 32], [48, 32]),  # lengths that fill their last block exactly
     "length_one": ([1], [1]),
     "spec_verify": ([4, 3], [40, 19]),  # a few query tokens per sequence
+    # Chunks after long contexts: query blocks whose first tiles need no causal mask.
+    "chunked_prefill": ([40, 6], [150, 100]),
 }
 GQA = [(2, 2), (8, 2), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 4, 8
 
