@@ -130,14 +130,22 @@ class Consumer:
 
     def read(self, room: int, block_ms: int) -> list[Delivery]:
         """Up to `room` new entries, strictly by priority; blocks up to `block_ms` when all are empty."""
+        out = self._read_by_priority(room)
+        if out or block_ms <= 0:
+            return out
+        out = self._xreadgroup(dict.fromkeys(self.streams, ">"), count=1, block=block_ms)
+        if out and room > 1:  # whatever else arrived with it, then the lot in priority order
+            out += self._read_by_priority(room - 1)
+            out.sort(key=lambda d: self.streams.index(d.stream))
+        return out
+
+    def _read_by_priority(self, room: int) -> list[Delivery]:
         out: list[Delivery] = []
         for stream in self.streams:
             if len(out) >= room:
-                return out
+                break
             out += self._xreadgroup({stream: ">"}, count=room - len(out), block=None)
-        if out or block_ms <= 0:
-            return out
-        return self._xreadgroup(dict.fromkeys(self.streams, ">"), count=1, block=block_ms)
+        return out
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None) -> list[Delivery]:
         try:

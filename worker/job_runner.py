@@ -166,8 +166,8 @@ class JobRunner:
         self.runs[job.job_id] = run
         try:
             prompt_ids = self._prompt_ids(req)
-        except (ValueError, TypeError) as exc:
-            return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
+        except Exception as exc:  # tokenizer or chat-template errors (jinja raises its own types): bad input
+            return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, f"{type(exc).__name__}: {exc}")]
         run.prompt_len = len(prompt_ids)
         if len(prompt_ids) >= self.engine.max_model_len:
             return [self._fail(job.job_id, ErrorCode.PROMPT_TOO_LONG,
@@ -185,6 +185,9 @@ class JobRunner:
             self.engine.add_request(job.job_id, prompt_ids + resumed, params, priority=ENGINE_PRIORITY[req.priority])
         except ValueError as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
+        except Exception as exc:
+            log.exception("engine refused a request", extra={"job_id": job.job_id})
+            return [self._fail(job.job_id, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")]
         if resumed and self.engine.tokenizer is not None:
             run.detok = _replayed_detokenizer(self.engine.tokenizer, prompt_ids, params.stop_strings, resumed,
                                               req.min_tokens, len(job.resume.text))
@@ -256,6 +259,7 @@ class JobRunner:
         job = run.start
         self.runs.pop(job.job_id, None)
         self.engine.abort(job.job_id)  # no-op (False) when the engine already finished it
+        self.metrics.e2e.observe(event.ts - job.request.created_at)
         result = {
             "text": "".join(run.text),
             "token_ids": json.dumps(run.token_ids),

@@ -68,6 +68,7 @@ class Worker:
     # --- process -------------------------------------------------------------------------------
 
     def run(self) -> int:
+        threading.excepthook = self._thread_crashed
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._begin_drain("signal"))
         http = serve(self.settings.metrics_host, self.settings.metrics_port, self.metrics.registry,
@@ -88,6 +89,14 @@ class Worker:
         finally:
             self.stop.set()
             http.shutdown()
+
+    def _thread_crashed(self, args: threading.ExceptHookArgs) -> None:
+        """A worker thread died: the process cannot keep its promises, so it exits at once. Its jobs
+        are not ACKed; another worker reclaims them after the lease."""
+        log.critical("thread crashed: exiting", exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+                     extra={"thread": args.thread.name if args.thread else None})
+        logging.shutdown()
+        os._exit(70)
 
     def _load_engine(self) -> None:
         import torch
@@ -208,9 +217,20 @@ class Worker:
                     block_ms = int(min(s.read_block_ms, 1000 * max(0.001, min(next_renew, next_reap) - now)))
                     deliveries = self._backoff("read queue", self.draining, self.consumer.read, room, block_ms)
                 if deliveries:
-                    self._backoff("start jobs", self.draining, self._take, deliveries)
+                    self._take_safely(deliveries)
         except Stopped:
             pass
+
+    def _take_safely(self, deliveries: list[Delivery]) -> None:
+        try:
+            self._backoff("start jobs", self.draining, self._take, deliveries)
+        except Stopped:
+            raise
+        except Exception:
+            # A bug or an entry we cannot handle: keep serving. The entries stay pending under our
+            # name, so the reaper offers them again after the lease (counting attempts up to the DLQ).
+            log.exception("could not take jobs", extra={"entries": [d.entry_id for d in deliveries]})
+            self.draining.wait(1.0)
 
     def _take(self, deliveries: list[Delivery]) -> None:
         if self.draining.is_set():

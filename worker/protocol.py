@@ -368,7 +368,7 @@ class JobRecord(BaseModel):
     model: str
     tenant: str = "default"
     priority: Priority = Priority.normal
-    request: JobRequest
+    request: JobRequest | None  # None when the stored request does not parse (the job fails: invalid_request)
     created_at: float
     attempts: int = 0  # deliveries that started running (a drain hand-back does not count)
     worker_id: str | None = None  # the worker that ran it last
@@ -420,7 +420,7 @@ class JobRecord(BaseModel):
         data: dict[str, Any] = dict(_decoded(mapping))
         for name in _JSON_FIELDS:
             if name in data:
-                data[name] = _unjson(data[name])
+                data[name] = _unjson_or_none(data[name]) if name == "request" else _unjson(data[name])
         if "cancel" in data:
             data["cancel"] = data["cancel"] == "1"
         return cls.model_validate(data)
@@ -564,3 +564,10 @@ def _json(value: Any) -> str:
 
 def _unjson(value: str) -> Any:
     return json.loads(value)
+
+
+def _unjson_or_none(value: str) -> JobRequest | None:
+    try:
+        return JobRequest.model_validate_json(value)
+    except ValueError:
+        return None

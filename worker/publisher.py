@@ -138,7 +138,7 @@ class Publisher:
                 answers.append(None)
             elif w.terminal and w.delivery is not None and w.job_id is None:
                 self._add_ack(pipe, w.delivery)
-                answers.append(None)
+                answers += [None, None]
         results = pipe.execute(raise_on_error=False)
         lost = set()
         for job_id, result in zip(answers, results, strict=True):
