@@ -132,10 +132,8 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int) -> dict | None:
     """One decode step of `batch` sequences of `context` tokens; None when it does not fit."""
-    import triton
-
     from kernels.metadata import AttentionMetadata
-    from kernels.paged_attention_kernel import _launch_config, _num_splits, paged_attention
+    from kernels.paged_attention_kernel import choose_variant, paged_attention
 
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -164,8 +162,7 @@ def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int)
     ms_sdpa = timer(sdpa_call)
     error = rel_error(paged_attention(q, k_cache, v_cache, meta, scale), sdpa_call().reshape(batch, heads, dim))
     moved = kv_bytes + 2 * q.numel() * elem
-    config = _launch_config(meta, heads // kv_heads, triton.next_power_of_2(dim))
-    splits = _num_splits(device, meta.num_seqs * kv_heads, context, config.tile)
+    splits = choose_variant(q, k_cache, meta)[2]
     return {
         "batch": batch,
         "context": context,

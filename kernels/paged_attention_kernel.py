@@ -18,6 +18,7 @@ names (`kernels.paged_attention`); a submodule of the same name would replace th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -253,6 +254,7 @@ class _LaunchConfig:
     tile: int  # KV positions per iteration
     num_warps: int
     num_stages: int
+    split_kv: bool  # decode-like: few rows per program, so long contexts may be split
 
 
 @dataclass
@@ -267,9 +269,10 @@ def _launch_config(meta: AttentionMetadata, group: int, head_dim_pad: int) -> _L
     verification); large ones for prefill chunks, where K/V reuse across rows matters."""
     if meta.max_query_len * group <= 16:
         block_m = max(16, triton.next_power_of_2(group))
-        return _LaunchConfig(block_m, block_m // group, tile=64, num_warps=4, num_stages=2)
+        return _LaunchConfig(block_m, block_m // group, tile=64, num_warps=4, num_stages=2, split_kv=True)
     block_m = max(128 if head_dim_pad <= 128 else 64, triton.next_power_of_2(group))
-    return _LaunchConfig(block_m, block_m // group, tile=64, num_warps=8 if head_dim_pad >= 128 else 4, num_stages=2)
+    num_warps = 8 if head_dim_pad >= 128 else 4
+    return _LaunchConfig(block_m, block_m // group, tile=64, num_warps=num_warps, num_stages=2, split_kv=False)
 
 
 def _work(meta: AttentionMetadata, block_q: int) -> torch.Tensor:
@@ -294,14 +297,38 @@ def _work(meta: AttentionMetadata, block_q: int) -> torch.Tensor:
     return work
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_splits(device: torch.device, num_programs: int, max_seq_len: int, tile: int) -> int:
     """Enough KV splits to give every SM a few programs, none shorter than a few tiles."""
     if device.type != "cuda":
         return 1  # the interpreter runs programs one by one: more of them only cost time
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     wanted = -(-_PROGRAMS_PER_SM * sms // num_programs)
     most = max(1, -(-max_seq_len // tile) // _MIN_TILES_PER_SPLIT)
     return max(1, min(wanted, most))
+
+
+def choose_variant(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    meta: AttentionMetadata,
+    num_splits: int | None = None,
+) -> tuple[_LaunchConfig, torch.Tensor, int, int]:
+    """Launch configuration, work list, split count and KV tiles per split for one call."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    config = _launch_config(meta, num_heads // num_kv_heads, triton.next_power_of_2(q.shape[2]))
+    work = _work(meta, config.block_q)
+    if num_splits is None:
+        # Prefill programs have rows enough to keep an SM busy; decode ones need the splits.
+        num_programs = work.shape[0] * num_kv_heads
+        num_splits = _num_splits(q.device, num_programs, meta.max_seq_len, config.tile) if config.split_kv else 1
+    total_tiles = -(-meta.max_seq_len // config.tile)
+    tiles_per_split = -(-total_tiles // max(1, num_splits))
+    return config, work, -(-total_tiles // tiles_per_split), tiles_per_split
 
 
 def paged_attention(
@@ -315,8 +342,8 @@ def paged_attention(
     num_splits: int | None = None,  # force the split-KV count (tests, benchmarks); None = choose
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.paged_attention`."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    _, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_size & (block_size - 1):
@@ -327,16 +354,8 @@ def paged_attention(
         out = torch.empty_like(q)
     if meta.num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
-    config = _launch_config(meta, group, head_dim_pad)
-    work = _work(meta, config.block_q)
-    num_work = work.shape[0]
-    total_tiles = -(-meta.max_seq_len // config.tile)
-    if num_splits is None:
-        num_splits = _num_splits(q.device, num_work * num_kv_heads, meta.max_seq_len, config.tile)
-    tiles_per_split = -(-total_tiles // max(1, num_splits))
-    num_splits = -(-total_tiles // tiles_per_split)
+    config, work, num_splits, tiles_per_split = choose_variant(q, k_cache, meta, num_splits)
     split = num_splits > 1
     tokens = meta.num_tokens
     if split:
@@ -345,7 +364,7 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # never touched when SPLIT is off
-    _paged_attention_kernel[(num_work, num_kv_heads, num_splits)](
+    _paged_attention_kernel[(work.shape[0], num_kv_heads, num_splits)](
         out,
         part_acc,
         part_max,
@@ -370,7 +389,7 @@ def paged_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         meta.block_tables.stride(0),
-        GROUP=group,
+        GROUP=num_heads // num_kv_heads,
         BLOCK_Q=config.block_q,
         BLOCK_M=config.block_m,
         TILE=config.tile,

@@ -115,10 +115,21 @@ def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _CpuPlan:
     return plan
 
 
-def _gather(cache: torch.Tensor, tile_index: torch.Tensor, n: int, num_blocks: int) -> torch.Tensor:
-    """Gather tiles into [n, num_kv_heads, num_blocks * block_size, head_dim] (contiguous)."""
+def _gather(
+    cache: torch.Tensor, tile_index: torch.Tensor, n: int, num_blocks: int, workspace: dict, slot: str
+) -> torch.Tensor:
+    """Gather tiles into [n, num_kv_heads, num_blocks * block_size, head_dim] (contiguous).
+
+    The destination is a reused workspace buffer: a fresh multi-megabyte tensor per layer costs
+    as much in page faults as the copy itself."""
     _, num_kv_heads, block_size, head_dim = cache.shape
-    tiles = cache.view(-1, block_size * head_dim).index_select(0, tile_index)
+    rows = tile_index.numel()
+    buffer = workspace.get(slot)
+    if buffer is None or buffer.numel() < rows * block_size * head_dim or buffer.dtype != cache.dtype:
+        buffer = torch.empty(rows * block_size * head_dim, dtype=cache.dtype, device=cache.device)
+        workspace[slot] = buffer
+    tiles = buffer[: rows * block_size * head_dim].view(rows, block_size * head_dim)
+    torch.index_select(cache.view(-1, block_size * head_dim), 0, tile_index, out=tiles)
     return tiles.view(n, num_kv_heads, num_blocks * block_size, head_dim)
 
 
@@ -143,18 +154,21 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     plan = _plan(meta, num_kv_heads)
+    # Buffers live as long as the metadata's owner wants: the model runner passes one dict for
+    # its lifetime, a bare call gets one for this step.
+    workspace = meta.backend_cache.setdefault("workspace", {})
     for bucket in plan.decode:
         n = bucket.token_index.numel()
-        k = _gather(k_cache, bucket.tile_index, n, bucket.num_blocks)
-        v = _gather(v_cache, bucket.tile_index, n, bucket.num_blocks)
+        k = _gather(k_cache, bucket.tile_index, n, bucket.num_blocks, workspace, "k")
+        v = _gather(v_cache, bucket.tile_index, n, bucket.num_blocks, workspace, "v")
         # A decode token's query heads that share a KV head become that head's "query rows".
         qd = q.index_select(0, bucket.token_index).view(n, num_kv_heads, group, head_dim).to(k.dtype)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=bucket.mask, scale=scale)
         out.index_copy_(0, bucket.token_index, o.reshape(n, num_heads, head_dim).to(out.dtype))
     for seq in plan.prefill:
         num_blocks = seq.tile_index.numel() // num_kv_heads
-        k = _gather(k_cache, seq.tile_index, 1, num_blocks)[:, :, : seq.seq_len]
-        v = _gather(v_cache, seq.tile_index, 1, num_blocks)[:, :, : seq.seq_len]
+        k = _gather(k_cache, seq.tile_index, 1, num_blocks, workspace, "k")[:, :, : seq.seq_len]
+        v = _gather(v_cache, seq.tile_index, 1, num_blocks, workspace, "v")[:, :, : seq.seq_len]
         qp = q[seq.start : seq.start + seq.query_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
         if seq.query_len == seq.seq_len:
             o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)

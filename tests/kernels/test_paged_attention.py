@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference
+from kernels import paged_attention_kernel, reference
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention_kernel import paged_attention
 from tests.kernels.util import assert_close
@@ -181,6 +181,16 @@ def check_plan_reuse(device) -> None:
 
 def test_allocates_out_and_reuses_plan(device, run):
     run(check_plan_reuse, device)
+
+
+def test_split_heuristic(monkeypatch):
+    """Splits fill a 132-SM GPU with ~4 programs per SM, never below 4 tiles of context each."""
+    monkeypatch.setattr(paged_attention_kernel, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert paged_attention_kernel._num_splits(cuda, 8, 32768, 64) == 66  # batch 1, 8 KV heads
+    assert paged_attention_kernel._num_splits(cuda, 8, 1024, 64) == 4  # short: 4 tiles per split
+    assert paged_attention_kernel._num_splits(cuda, 2048, 32768, 64) == 1  # the batch fills the GPU
+    assert paged_attention_kernel._num_splits(torch.device("cpu"), 8, 32768, 64) == 1
 
 
 @pytest.mark.slow
