@@ -45,6 +45,7 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )
+        self._attention_workspace: dict = {}  # scratch buffers the CPU attention path reuses every step
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -73,11 +74,13 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampling.append(request)
         dev = self.device
+        attention = AttentionMetadata.build(query_lens, seq_lens, tables, bs, dev)
+        attention.backend_cache["workspace"] = self._attention_workspace
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            attention=AttentionMetadata.build(query_lens, seq_lens, tables, bs, dev),
+            attention=attention,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling,
         )
