@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
     _ids: list[int] = field(init=False)
     _prefix_offset: int = field(init=False)
     _read_offset: int = field(init=False)
+    _prefix_text: str | None = field(init=False, default=None)  # decode of ids[prefix:read], cached
 
     def __post_init__(self) -> None:
         self._ids = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -38,13 +39,16 @@ class IncrementalDetokenizer:
         """Take new tokens; return the stop string if one now matches (text is cut before it).
         `final`: the request ends with these tokens, so an incomplete character is released too."""
         self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             start = len(self.text)
             self.text += new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
+            self._prefix_text = None
             return self._find_stop(start) if check_stop else None
         return None
 

@@ -1,0 +1,245 @@
+"""Throughput: Ferry's engine against three transformers baselines on one workload, in one run.
+
+Workload (seeded, identical for every system): n requests (default 64), prompt lengths uniform
+in [32, 512], output lengths uniform in [16, 256], greedy, EOS ignored, SmolLM2-135M-shaped
+random weights in float32. All requests arrive at t=0.
+
+Systems:
+  ferry        Engine step loop (continuous batching, paged KV, chunked prefill)
+  hf-single    transformers generate, one request at a time
+  hf-static8   transformers generate, static left-padded batches of 8 (runs to each batch's longest)
+  hf-cb        transformers continuous batching (generate_batch's manager, sdpa attention)
+
+Reported per system: output tokens/s (useful tokens only), wall time, TTFT and TBT percentiles;
+for Ferry also KV memory: allocated token slots actually holding KV, and the pool reserved.
+
+    python -m bench.throughput --n 64            # the full workload (slow baselines: ~20 min here)
+    python -m bench.throughput --n 16 --systems ferry,hf-static8
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from bench.common import percentiles, write_result
+from bench.models import smollm2_shaped
+
+SYSTEMS = ("ferry", "hf-single", "hf-static8", "hf-cb")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @classmethod
+    def make(cls, n: int, vocab_size: int, seed: int = 0) -> Workload:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(1, vocab_size) for _ in range(rng.randint(32, 512))] for _ in range(n)]
+        return cls(prompts, [rng.randint(16, 256) for _ in range(n)])
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class SystemResult:
+    system: str
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)  # one per request
+    tbt_s: list[float] = field(default_factory=list)  # every gap between consecutive tokens
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {
+            "system": self.system,
+            "wall_s": round(self.wall_s, 3),
+            "output_tokens": self.output_tokens,
+            "tokens_per_s": round(self.output_tokens / self.wall_s, 2),
+            "ttft_ms": {k: v and round(v * 1e3, 1) for k, v in percentiles(self.ttft_s).items()},
+            "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in percentiles(self.tbt_s).items()},
+            **self.extra,
+        }
+
+
+def run_ferry(model_dir, work: Workload, max_num_seqs: int, bar: tqdm) -> SystemResult:
+    from worker.engine import Engine, SamplingParams
+
+    engine = Engine(str(model_dir), max_num_seqs=max_num_seqs)
+    used_slots, allocated_slots, peak_blocks = [], [], 0
+    start = time.monotonic()
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), arrival_time=start)
+    finished = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        usage = engine.kv_usage()
+        if usage.num_used_blocks:
+            used_slots.append(usage.num_used_tokens)
+            allocated_slots.append(usage.num_used_blocks * engine.block_size)
+            peak_blocks = max(peak_blocks, usage.num_used_blocks)
+        for out in outputs:
+            bar.update(len(out.new_token_ids))
+            if out.finished:
+                finished.append(out)
+    wall = time.monotonic() - start
+    pool_tokens = engine.kv.num_blocks * engine.block_size
+    return SystemResult(
+        "ferry",
+        wall,
+        sum(o.num_output_tokens for o in finished),
+        [o.metrics.ttft for o in finished],
+        [gap for o in finished for gap in o.metrics.inter_token_latencies],
+        {
+            "kv": {
+                # Of the token slots in allocated blocks, the share holding KV (internal fragmentation).
+                "used_over_allocated_mean": round(sum(used_slots) / sum(allocated_slots), 4),
+                "peak_allocated_tokens": peak_blocks * engine.block_size,
+                "pool_tokens": pool_tokens,
+                "pool_bytes": engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size(),
+            },
+            "num_preemptions": engine.stats().num_preemptions,
+        },
+    )
+
+
+class _StepClock:
+    """A transformers logits processor that timestamps every decoding step (one token per row)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.monotonic())
+        return scores
+
+
+def _hf_model(model_dir, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", attn_implementation=attn).eval()
+
+
+def run_hf_batches(model_dir, work: Workload, batch_size: int, bar: tqdm) -> SystemResult:
+    import torch
+    from transformers import LogitsProcessorList
+
+    model = _hf_model(model_dir)
+    name = "hf-single" if batch_size == 1 else f"hf-static{batch_size}"
+    ttft, tbt = [], []
+    start = time.monotonic()
+    for b in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[b : b + batch_size]
+        lens = work.output_lens[b : b + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        clock = _StepClock()
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens), do_sample=False,
+                eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
+            )
+        for n in lens:  # request i's tokens are the batch's first n steps; the rest is wasted work
+            ttft.append(clock.times[0] - start)
+            tbt.extend(b2 - a for a, b2 in zip(clock.times[: n - 1], clock.times[1:n], strict=True))
+        bar.update(sum(lens))
+    return SystemResult(name, time.monotonic() - start, work.output_tokens, ttft, tbt)
+
+
+def run_hf_continuous(model_dir, work: Workload, bar: tqdm) -> SystemResult:
+    from transformers import GenerationConfig
+
+    model = _hf_model(model_dir)  # the manager switches sdpa to its paged variant itself
+    config = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    start = time.monotonic()
+    start_perf = time.perf_counter()
+    ids = [
+        manager.add_request(prompt, max_new_tokens=n, record_timestamps=True, eos_token_id=-1)
+        for prompt, n in zip(work.prompts, work.output_lens, strict=True)
+    ]
+    results = {}
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            results[result.request_id] = result
+            bar.update(len(result.generated_tokens))
+    wall = time.monotonic() - start
+    manager.stop(block=True)
+    ttft, tbt, tokens = [], [], 0
+    for result in results.values():
+        tokens += len(result.generated_tokens)
+        stamps = result.timestamps or []
+        if stamps:
+            ttft.append(stamps[0] - start_perf)
+            tbt.extend(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    return SystemResult("hf-cb", wall, tokens, ttft, tbt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=64, help="requests (every system runs the same list)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-shaped random)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    model_dir = args.model or smollm2_shaped()
+    import json
+
+    vocab = json.loads((model_dir if not isinstance(model_dir, str) else __import__("pathlib").Path(model_dir)).joinpath("config.json").read_text())["vocab_size"]
+    work = Workload.make(args.n, vocab, args.seed)
+    results = []
+    for system in systems:
+        with tqdm(total=work.output_tokens, desc=system, unit="tok", file=sys.stderr) as bar:
+            if system == "ferry":
+                results.append(run_ferry(model_dir, work, args.max_num_seqs, bar))
+            elif system == "hf-single":
+                results.append(run_hf_batches(model_dir, work, 1, bar))
+            elif system == "hf-static8":
+                results.append(run_hf_batches(model_dir, work, 8, bar))
+            else:
+                results.append(run_hf_continuous(model_dir, work, bar))
+    summaries = [r.summary() for r in results]
+    by_name = {s["system"]: s for s in summaries}
+    ratios = {}
+    if "ferry" in by_name:
+        for name, s in by_name.items():
+            if name != "ferry":
+                ratios[f"ferry_over_{name}"] = round(by_name["ferry"]["tokens_per_s"] / s["tokens_per_s"], 2)
+    path = write_result(
+        "throughput",
+        {
+            "workload": {
+                "n": args.n, "seed": args.seed, "prompt_len": [32, 512], "output_len": [16, 256],
+                "output_tokens": work.output_tokens, "prompt_tokens": sum(map(len, work.prompts)),
+                "mean_prompt_len": statistics.mean(map(len, work.prompts)), "model": str(model_dir), "dtype": "float32",
+            },
+            "results": summaries,
+            "ratios": ratios,
+        },
+    )
+    for s in summaries:
+        print(f"{s['system']:<11} {s['tokens_per_s']:>8.1f} tok/s  wall {s['wall_s']:>7.1f}s  TTFT p50 {s['ttft_ms']['p50']} ms  TBT p50 {s['tbt_ms']['p50']} ms")
+    print("ratios:", ratios)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
