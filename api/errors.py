@@ -18,7 +18,6 @@ log = logging.getLogger("ferry.api")
 
 # HTTP status -> the code used when Starlette itself answers (unknown route, wrong method, ...).
 _STATUS_CODES = {
-    400: "bad_request",
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
@@ -89,6 +88,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, ...): malformed input, a 422
+        return error_response(422, "invalid_json", f"request body cannot be parsed: {exc.detail}")
     code = _STATUS_CODES.get(exc.status_code, "http_error")
     return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
 

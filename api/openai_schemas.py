@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.streaming import SSE_EVENT_SCHEMA
 from worker.protocol import Message
 
 
@@ -147,7 +148,7 @@ def sse_200(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {
         200: {
             "model": model,
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
             "description": "the completion, or with `stream: true` SSE chunks ending in `data: [DONE]`",
         }
     }

@@ -161,4 +161,10 @@ def sse_json(payload: dict, **kwargs) -> str:
 
 
 KEEPALIVE = ": keep-alive\n\n"
+# OpenAPI for an SSE response: the schema of one event (as OpenAPI 3.2's itemSchema describes it).
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+    "required": ["data"],
+}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -24,7 +24,7 @@ from api.schemas import (
     error_responses,
 )
 from api.services import Services, get_job, resolve_model, services, submit
-from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse
+from api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
@@ -154,7 +154,7 @@ async def read_job(job_id: JobId, svc: Svc, tenant_name: Tenant) -> JobView:
 @router.get(
     "/{job_id}/events",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "SSE"}}
+    responses={200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": "SSE: one event per job event, `id` = seq"}}
     | error_responses(401, 404, 422),
     summary="Follow a job's events (SSE; Last-Event-ID resumes)",
 )

@@ -126,10 +126,16 @@ def completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> dict:
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    tops = []
+    for lp in logprobs:
+        top: dict[str, float] = {}
+        for t in lp.top:  # best first; distinct ids may decode to the same string (byte fragments)
+            top.setdefault(_token(t), t.logprob)
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{_token(t): t.logprob for t in lp.top} for lp in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 

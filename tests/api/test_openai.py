@@ -1,0 +1,102 @@
+"""The official `openai` client, unchanged, against the running stack."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.api.conftest import KEY_A, MODEL
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_completion_stream_equals_non_stream_for_greedy(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_equals_non_stream_for_greedy(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    long_prompt = " ".join(["Ferry serves language models behind an async job API."] * 8)
+    first = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 32
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole 16-token blocks are reused; the last prompt token is always recomputed.
+    assert cached >= 16 * ((second.usage.prompt_tokens - 1) // 16) and cached % 16 == 0
+
+
+def test_logprobs_completions_and_chat(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) <= 3 and max(top.values()) >= lp.token_logprobs[i] - 1e-5 for i, top in enumerate(lp.top_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_stop_string_and_seed(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[6:9]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
+    sampled = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)
+               .choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_errors_reach_the_client_as_openai_errors(stack, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert info.value.body["code"] == "model_not_found"
+    too_long = "fox " * 1500  # more tokens than max_model_len (1024)
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.completions.create(model=MODEL, prompt=too_long)
+    assert info.value.body["code"] == "prompt_too_long"
+    with pytest.raises(openai.UnprocessableEntityError):  # a stream that fails at once still gets a status
+        client.completions.create(model=MODEL, prompt=too_long, stream=True)
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
