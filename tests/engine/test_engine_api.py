@@ -165,3 +165,24 @@ def test_unknown_model_and_unsupported_architecture(tmp_path, tiny_model_factory
         LLM(str(other))
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(model_dir), dtype="int3")
+
+
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch, llama_dir):
+    """A hub id loads from the Hugging Face cache layout without any network access."""
+    import huggingface_hub.constants
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--ferry-test--tiny-llama"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in llama_dir.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cached = LLM("ferry-test/tiny-llama")
+    local = LLM(str(llama_dir))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert cached.engine.model_dir == snapshot.resolve() or cached.engine.model_dir == snapshot
+    assert cached.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == local.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
