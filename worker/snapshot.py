@@ -406,9 +406,13 @@ def _dir_time(snapshot_dir: str) -> float:
 
 
 def _delete_quietly(store: SnapshotStore, key: str) -> None:
+    """Remove a failed save's objects, unless the pointer write failed only on the way back."""
     try:
+        pointer = store.read_bytes(POINTER)
+        if pointer is not None and json.loads(pointer).get("snapshot") == key:
+            return
         store.delete(store.list(key + "/"))
-    except StoreError:
+    except (StoreError, ValueError):
         pass  # a later save's prune removes it once it is old
 
 
