@@ -60,3 +60,9 @@ def make_demo_model(directory: Path, *, vocab_size: int = 512, hidden_size: int 
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(f"wrote {make_demo_model(Path(sys.argv[1]))}")
