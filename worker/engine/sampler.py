@@ -8,26 +8,53 @@ same tokens, whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from worker.engine.outputs import Logprob, PositionLogprobs
 from worker.engine.request import Request
+from worker.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class SamplingBatch:
-    """Per-row sampling inputs built from the requests that sample this step."""
+class SamplingRow:
+    """A request as one logits row sees it: with `extra` tokens assumed already generated.
 
-    requests: list[Request]
+    Speculative verification scores a request's proposals in one pass; the row after the i-th
+    proposal must be penalised and min_tokens-masked as if the first i had been accepted. Every
+    sampler function takes Requests or SamplingRows alike (they share these attributes)."""
+
+    request: Request
+    extra: list[int]
 
     @property
-    def any_penalty(self) -> bool:
-        return any(
-            r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-            for r in self.requests
-        )
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generator
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.request.eos_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.extra
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.extra
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.extra)
+
+
+Row = Request | SamplingRow
 
 
 @dataclass(slots=True)
@@ -36,7 +63,7 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]  # one per row; None where not requested
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Row]) -> torch.Tensor:
     """Repetition (prompt + output, transformers' rule), presence and frequency (output only)."""
     vocab = logits.shape[-1]
     for row, request in enumerate(requests):
@@ -52,7 +79,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     return logits
 
 
-def mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def mask_min_tokens(logits: torch.Tensor, requests: Sequence[Row]) -> None:
     for row, request in enumerate(requests):
         p = request.params
         if request.num_output_tokens < p.min_tokens:
@@ -83,7 +110,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def draw(probs: torch.Tensor, requests: Sequence[Row]) -> torch.Tensor:
     """One token per row by the exponential race, each seeded row on its own generator."""
     noise = torch.empty_like(probs).exponential_()
     for row, request in enumerate(requests):
@@ -105,27 +132,36 @@ def top_logprobs(raw_logits: torch.Tensor, row: int, token: int, n: int) -> Posi
     return result
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> None:
+    """Penalties, then the min_tokens mask, in place: what greedy argmax and sampling both see."""
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows):
+        apply_penalties(logits, rows)
+    mask_min_tokens(logits, rows)
+
+
+def sampling_probs(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """The distribution each (non-greedy) row draws from: temperature -> top-k -> top-p -> min-p.
+    logits: [n, vocab] after adjust_logits; returns [n, vocab] probabilities."""
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    filtered = filter_logits(
+        logits / temperature[:, None],
+        torch.tensor([r.params.top_k for r in rows]),
+        torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype),
+        torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype),
+    )
+    return filtered.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Row]) -> SamplerOutput:
     """logits: [n, vocab] float32, row i for requests[i]. Rows are modified in place."""
     raw = logits.clone() if any(r.params.logprobs is not None for r in requests) else None
-    batch = SamplingBatch(requests)
-    if batch.any_penalty:
-        apply_penalties(logits, requests)
-    mask_min_tokens(logits, requests)
+    adjust_logits(logits, requests)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows)
         sub = [requests[i] for i in random_rows]
-        temperature = torch.tensor([r.params.temperature for r in sub], dtype=logits.dtype)
-        tempered = logits.index_select(0, rows) / temperature[:, None]
-        filtered = filter_logits(
-            tempered,
-            torch.tensor([r.params.top_k for r in sub]),
-            torch.tensor([r.params.top_p for r in sub], dtype=logits.dtype),
-            torch.tensor([r.params.min_p for r in sub], dtype=logits.dtype),
-        )
-        tokens[rows] = draw(filtered.softmax(dim=-1), sub)
+        tokens[rows] = draw(sampling_probs(logits.index_select(0, rows), sub), sub)
     token_list = tokens.tolist()
     logprobs: list[PositionLogprobs | None] = [
         None if r.params.logprobs is None else top_logprobs(raw, i, token_list[i], r.params.logprobs)
