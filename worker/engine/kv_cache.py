@@ -11,7 +11,7 @@ restarts (snapshots rely on it). Freed blocks keep their key and sit in an LRU q
 evicted only when their slot is needed, and a block with a reference is never evicted.
 
 Verbs, all that the scheduler needs: `lookup_prefix`, `allocate` (None = preempt something),
-`free`.
+`free`; and `trim`, which drops rejected speculative positions' blocks after a verification.
 """
 
 from __future__ import annotations
@@ -107,17 +107,24 @@ class KVCacheManager:
         return PrefixHit(hits, len(hits) * self.block_size)
 
     def allocate(
-        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None, reserve: int = 0
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: PrefixHit | None = None,
+        reserve: int = 0,
+        lookahead: int = 0,
     ) -> list[int] | None:
         """Give the request blocks for `num_new_tokens` more tokens; None if the pool is short.
 
         `prefix` (at admission only) attaches cached blocks first; `reserve` keeps that many
-        blocks free after the allocation (a watermark for admitting new requests)."""
+        blocks free after the allocation (a watermark for admitting new requests); `lookahead`
+        adds slots for that many speculative tokens past them, which never enter the prefix
+        cache (they are not final)."""
         hit_blocks = prefix.block_ids if prefix else []
         if hit_blocks and request.block_ids:
             raise ValueError("a prefix hit is attached only to a request without blocks")
         num_computed = prefix.num_tokens if prefix else request.num_computed_tokens
-        needed_total = -(-(num_computed + num_new_tokens) // self.block_size)
+        needed_total = -(-(num_computed + num_new_tokens + lookahead) // self.block_size)
         num_needed = needed_total - len(request.block_ids) - len(hit_blocks)
         # Hit blocks that sit in the free queue stop being free once attached.
         reclaimed = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)
@@ -144,15 +151,16 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (finished, aborted or preempted)."""
-        # Reverse order: a chain's tail is evicted before its head, which more requests share.
-        for block in reversed(request.block_ids):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
-                if self.block_meta[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+        self._release(request.block_ids)
         request.block_ids.clear()
         request.num_registered_blocks = 0
+
+    def trim(self, request: Request) -> None:
+        """Release the blocks past the request's computed tokens: after a verification they hold
+        only rejected speculative KV (never cached: lookahead slots are not registered)."""
+        keep = -(-request.num_computed_tokens // self.block_size)
+        self._release(request.block_ids[keep:])
+        del request.block_ids[keep:]
 
     # --- figures -----------------------------------------------------------------------------
 
@@ -197,6 +205,15 @@ class KVCacheManager:
             i = len(keys)
             parent = keys[-1] if keys else ROOT_KEY
             keys.append(block_key(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_extra))
+
+    def _release(self, blocks: list[int]) -> None:
+        # Reverse order: a chain's tail is evicted before its head, which more requests share.
+        for block in reversed(blocks):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                if self.block_meta[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
 
     def _touch(self, block: int) -> None:
         if self.ref_counts[block] == 0:

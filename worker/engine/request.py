@@ -11,6 +11,27 @@ from worker.engine.outputs import PositionLogprobs, RequestMetrics
 from worker.engine.sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class SpecState:
+    """A request's speculative-decoding state: this step's proposals and what the proposer keeps."""
+
+    token_ids: list[int] = field(default_factory=list)  # proposals to verify this step; not in all_token_ids
+    draft_probs: torch.Tensor | None = None  # [len(token_ids), vocab] the draft distribution each was drawn from; None = point masses
+    num_draft_computed: int = 0  # leading tokens whose KV the draft model holds (draft method)
+    acceptance: float = 1.0  # running mean of accepted / proposed over recent verifications
+    paused_steps: int = 0  # steps left without proposals after poor acceptance
+
+    def keep(self, n: int) -> None:
+        """Verify only the first n proposals (the budget or the pool is short)."""
+        del self.token_ids[n:]
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:n] if n else None
+
+    def clear(self) -> None:
+        self.token_ids = []
+        self.draft_probs = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
     RUNNING = "running"  # holds blocks and is scheduled each step it fits the budget
@@ -42,6 +63,7 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding (unused when it is off)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,7 +3,8 @@
 Each request has `num_computed_tokens` and `num_tokens`; a step gives each scheduled request
 up to `num_tokens - num_computed_tokens` tokens within `max_num_batched_tokens`. That one rule
 covers decode (1 token), chunked prefill (a slice of the prompt), prefix-cache hits (computed
-tokens start above 0) and recompute after preemption.
+tokens start above 0), recompute after preemption and speculative verification (a decode plus
+its `request.spec.token_ids` proposals, whose slots are allocated but never prefix-cached).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from worker.engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class SchedulerOutput:
     requests: list[Request]  # scheduled this step, in batch order
-    num_scheduled_tokens: list[int]  # tokens each one computes this step (aligned with requests)
+    num_scheduled_tokens: list[int]  # tokens each one computes this step, speculative ones included (aligned with requests)
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
 
     @property
@@ -88,7 +89,12 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while self.kv.allocate(request, num_new) is None:
+            # Speculative proposals (decode only) ride along as extra query tokens, as far as the budget goes.
+            request.spec.keep(min(len(request.spec.token_ids), budget - num_new))
+            while self.kv.allocate(request, num_new, lookahead=len(request.spec.token_ids)) is None:
+                if request.spec.token_ids:
+                    request.spec.keep(0)  # proposals are optional: verify none rather than preempt
+                    continue
                 victim = max(self.running, key=Request.sort_key)
                 victim_index = self.running.index(victim)
                 budget += self._preempt(victim, out)
@@ -98,6 +104,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the request now at `index` is the next one
+            num_new += len(request.spec.token_ids)
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
@@ -128,6 +135,8 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
+        victim.spec.clear()
+        victim.spec.num_draft_computed = 0  # the draft's KV went with the blocks
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
