@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import redis
 from pydantic import ValidationError
 
+from worker import redis_scripts
 from worker.keys import Keys
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -182,12 +183,15 @@ class Consumer:
         """Renew the leases of `held` (job id, delivery); returns (lost job ids, cancelled job ids)."""
         if not held:
             return set(), set()
-        pipe = self.client.pipeline(transaction=False)
-        self._renew(keys=[d.stream for _, d in held], args=[self.keys.group, self.worker_id] + [d.entry_id for _, d in held],
-                    client=pipe)
-        for job_id, _ in held:
-            pipe.hget(self.keys.job(job_id), "cancel")
-        lost_entries, *flags = pipe.execute()
+        def build():
+            pipe = self.client.pipeline(transaction=False)
+            redis_scripts.add(pipe, self._renew, [d.stream for _, d in held],
+                              [self.keys.group, self.worker_id] + [d.entry_id for _, d in held])
+            for job_id, _ in held:
+                pipe.hget(self.keys.job(job_id), "cancel")
+            return pipe
+
+        lost_entries, *flags = _raise_errors(redis_scripts.execute(build, [self._renew]))
         lost = {job_id for job_id, d in held if d.entry_id in set(lost_entries)}
         cancelled = {job_id for (job_id, _), flag in zip(held, flags, strict=True) if flag == "1"}
         return lost, cancelled
@@ -271,14 +275,18 @@ class Consumer:
     def _start_all(self, starts: list[tuple[_Candidate, JobStart]], writes: list[JobWrite]):
         if not starts:
             return [], writes
-        pipe = self.client.pipeline(transaction=False)
-        for _, js in starts:
-            started = encode_event(StartedEvent(seq=0, worker_id=self.worker_id, attempt=js.attempts))
-            args = [self.worker_id, repr(js.started_at), self.keys.channel(js.job_id), started[len('{"seq":0'):]]
-            self._start(keys=[self.keys.job(js.job_id), self.keys.events(js.job_id)], args=args, client=pipe)
+        def build():
+            pipe = self.client.pipeline(transaction=False)
+            for _, js in starts:
+                started = encode_event(StartedEvent(seq=0, worker_id=self.worker_id, attempt=js.attempts))
+                args = [self.worker_id, repr(js.started_at), self.keys.channel(js.job_id), started[len('{"seq":0'):]]
+                redis_scripts.add(pipe, self._start, [self.keys.job(js.job_id), self.keys.events(js.job_id)], args)
+            return pipe
+
+        answers = _raise_errors(redis_scripts.execute(build, [self._start]))
         ok: list[JobStart] = []
         again: list[Delivery] = []
-        for (c, js), attempts in zip(starts, pipe.execute(), strict=True):
+        for (c, js), attempts in zip(starts, answers, strict=True):
             if attempts:
                 js.attempts = int(attempts)
                 ok.append(js)
@@ -310,6 +318,13 @@ class Consumer:
         write = end_write(job_id, d, FailedEvent(seq=seq, code=code, message=message), self.worker_id)
         write.dead_letter = entry
         return write
+
+
+def _raise_errors(results: list) -> list:
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
 
 
 def _validation_summary(exc: ValidationError) -> str:

@@ -82,8 +82,9 @@ class JobRunner:
 
     # --- commands (any thread) -----------------------------------------------------------------
 
-    def start(self, job: JobStart) -> None:
-        self._inbox.put(("start", job))
+    def start(self, jobs: list[JobStart]) -> None:
+        """Admit `jobs` together: jobs read in one batch share their first step."""
+        self._inbox.put(("start", jobs))
 
     def abort(self, job_id: str, reason: str) -> None:
         """reason: "cancelled" (write the cancelled event) or "lost" (another worker has it: write nothing)."""
@@ -131,7 +132,8 @@ class JobRunner:
         while True:
             kind, *args = command
             if kind == "start":
-                writes += self._admit(*args)
+                for job in args[0]:
+                    writes += self._admit(job)
             elif kind == "abort":
                 writes += self._abort(*args)
             else:

@@ -254,7 +254,8 @@ class Worker:
             log.info("job reclaimed" if job.delivery.reclaimed else "job picked",
                      extra={"job_id": job.job_id, "attempt": job.attempts, "priority": job.request.priority.value,
                             "resume_tokens": len(job.resume.token_ids)})
-            self.runner.start(job)
+        if starts:
+            self.runner.start(starts)
 
     def _renew(self) -> None:
         held = list(self.leases.items())

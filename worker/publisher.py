@@ -23,18 +23,20 @@ from dataclasses import dataclass, field
 
 import redis
 
+from worker import redis_scripts
 from worker.keys import PRIORITIES, Keys
 from worker.protocol import STATE_AFTER_EVENT, FailedEvent, TimedOutEvent, event_to_fields
 from worker.redis_retry import Stopped, call_with_backoff
 
 log = logging.getLogger("ferry.worker.publisher")
 
-# KEYS[1] events stream, KEYS[2] job hash[, KEYS[3] queue stream: the job ends with this write]
-# ARGV[1] job channel, ARGV[2] first_token_at or '', ARGV[3] number of events n, n x (seq, type, data),
+# KEYS[1] events stream, KEYS[2] job hash (also the name of the job's pub/sub channel)
+#   [, KEYS[3] queue stream: the job ends with this write]
+# ARGV[1] first_token_at or '', ARGV[2] number of events n, n x (seq, type, data),
 # then, when the job ends: result ttl, group, entry id, job hash field/value pairs...
 _EMIT_LUA = """
-local n = tonumber(ARGV[3])
-local i = 4
+local n = tonumber(ARGV[2])
+local i = 3
 for _ = 1, n do
   local seq, kind, data = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local added = redis.pcall('XADD', KEYS[1], seq .. '-1', 'seq', seq, 'type', kind, 'data', data)
@@ -42,11 +44,11 @@ for _ = 1, n do
     local have = redis.call('XRANGE', KEYS[1], seq .. '-1', seq .. '-1')
     if #have == 0 or have[1][2][6] ~= data then return 0 end
   else
-    redis.call('PUBLISH', ARGV[1], data)
+    redis.call('PUBLISH', KEYS[2], data)
   end
   i = i + 3
 end
-if ARGV[2] ~= '' then redis.call('HSETNX', KEYS[2], 'first_token_at', ARGV[2]) end
+if ARGV[1] ~= '' then redis.call('HSETNX', KEYS[2], 'first_token_at', ARGV[1]) end
 if #KEYS == 3 then
   if #ARGV > i + 2 then redis.call('HSET', KEYS[2], unpack(ARGV, i + 3)) end
   redis.call('EXPIRE', KEYS[1], ARGV[i])
@@ -124,22 +126,27 @@ class Publisher:
 
     def write(self, writes: list[JobWrite]) -> set[str]:
         """One pipelined round trip for all `writes`; returns the ids of jobs found lost to another worker."""
-        pipe = self.client.pipeline(transaction=False)
         answers: list[str | None] = []  # job id whose emit result comes at this position, else None
-        for w in writes:
-            if w.dead_letter is not None:
-                pipe.xadd(self.keys.dlq, w.dead_letter)
-                answers.append(None)
-            if w.job_id is not None and (w.events or w.first_token_at is not None or w.terminal):
-                self._add_emit(pipe, w)
-                answers.append(w.job_id)
-            if w.hand_back:
-                self._add_hand_back(pipe, w)
-                answers.append(None)
-            elif w.terminal and w.delivery is not None and w.job_id is None:
-                self._add_ack(pipe, w.delivery)
-                answers += [None, None]
-        results = pipe.execute(raise_on_error=False)
+
+        def build():
+            answers.clear()
+            pipe = self.client.pipeline(transaction=False)
+            for w in writes:
+                if w.dead_letter is not None:
+                    pipe.xadd(self.keys.dlq, w.dead_letter)
+                    answers.append(None)
+                if w.job_id is not None and (w.events or w.first_token_at is not None or w.terminal):
+                    self._add_emit(pipe, w)
+                    answers.append(w.job_id)
+                if w.hand_back:
+                    self._add_hand_back(pipe, w)
+                    answers.append(None)
+                elif w.terminal and w.delivery is not None and w.job_id is None:
+                    self._add_ack(pipe, w.delivery)
+                    answers.extend([None, None])
+            return pipe
+
+        results = redis_scripts.execute(build, [self._emit, self._hand_back])
         lost = set()
         for job_id, result in zip(answers, results, strict=True):
             if isinstance(result, Exception) and not isinstance(result, redis.ResponseError):
@@ -152,7 +159,7 @@ class Publisher:
 
     def _add_emit(self, pipe, w: JobWrite) -> None:
         keys = [self.keys.events(w.job_id), self.keys.job(w.job_id)]
-        args: list = [self.keys.channel(w.job_id), "" if w.first_token_at is None else repr(w.first_token_at), len(w.events)]
+        args: list = ["" if w.first_token_at is None else repr(w.first_token_at), len(w.events)]
         for event in w.events:
             f = event_to_fields(event)
             args += [f["seq"], f["type"], f["data"]]
@@ -161,7 +168,7 @@ class Publisher:
             args += [self.result_ttl_s, self.keys.group, w.delivery.entry_id]
             for name, value in (w.result or {}).items():
                 args += [name, value]
-        self._emit(keys=keys, args=args, client=pipe)
+        redis_scripts.add(pipe, self._emit, keys, args)
 
     def _add_hand_back(self, pipe, w: JobWrite) -> None:
         d = w.delivery
@@ -170,7 +177,7 @@ class Publisher:
         target = self.keys.queue(self.model, PRIORITIES[0]) if started else d.stream
         keys = [d.stream, target, self.keys.job(w.job_id)]
         args = [self.keys.group, d.entry_id, self.worker_id, w.job_id, attempt, w.attempts if started else ""]
-        self._hand_back(keys=keys, args=args, client=pipe)
+        redis_scripts.add(pipe, self._hand_back, keys, args)
 
     def _add_ack(self, pipe, d: Delivery) -> None:
         pipe.xack(d.stream, self.keys.group, d.entry_id)
