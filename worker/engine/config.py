@@ -2,7 +2,63 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses k tokens per request, the target verifies them in one pass."""
+
+    method: str  # "ngram" (prompt lookup in the request's own tokens) | "draft" (a small model, same tokenizer)
+    num_speculative_tokens: int = 4  # k: tokens proposed per request per step
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up in the request's tokens
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram tried before giving up
+    draft_model: str | None = None  # draft: checkpoint directory (or cached hub id)
+    disable_by_batch_size: int | None = None  # no proposals while this many requests run (compute-bound steps)
+    min_acceptance_rate: float = 0.2  # a request whose recent acceptance falls below this pauses proposing
+    pause_steps: int = 16  # steps a request goes without proposals after poor acceptance
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (a checkpoint directory)")
+        if self.method == "ngram" and self.draft_model:
+            raise ValueError("draft_model is only used by method 'draft'")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")
+        if self.pause_steps < 0:
+            raise ValueError(f"pause_steps must be >= 0, got {self.pause_steps}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """From the `speculative=` argument: a dict of these fields (`ngram_max` names prompt_lookup_max)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a dict like {{'method': 'ngram'}}, got {type(value).__name__}")
+        value = dict(value)
+        if "ngram_max" in value:
+            if "prompt_lookup_max" in value:
+                raise ValueError("give ngram_max or prompt_lookup_max, not both")
+            value["prompt_lookup_max"] = value.pop("ngram_max")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative settings {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError("speculative needs a method: 'ngram' or 'draft'")
+        return cls(**value)
 
 
 @dataclass(slots=True)
@@ -21,6 +77,7 @@ class EngineConfig:
     snapshot_url: str | None = None  # prefix-cache snapshot store (file:///dir, s3://bucket/prefix): restored at start
     snapshot_max_bytes: int = 1 << 30  # KV bytes a snapshot keeps at most (the hottest whole chains)
     snapshot_keep: int = 3  # snapshots kept in the store; older ones are deleted after a save
+    speculative: SpeculativeConfig | dict | None = None  # speculative decoding (see SpeculativeConfig); None = off
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -37,3 +94,4 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.snapshot_max_bytes <= 0 or self.snapshot_keep < 1:
             raise ValueError("snapshot_max_bytes must be > 0 and snapshot_keep >= 1")
+        self.speculative = SpeculativeConfig.of(self.speculative)

@@ -1,4 +1,4 @@
-"""Engine: add_request / abort / step. A step is schedule -> execute -> update."""
+"""Engine: add_request / abort / step. A step is (propose ->) schedule -> execute -> update."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
 from worker.engine.model_runner import ModelRunner, StepOutput
 from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from worker.engine.proposers import DraftProposer, NgramProposer, load_draft
 from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.spec_decode import SpecDecoder, SpecDecodeStats
 from worker.models.config import ModelArch
 from worker.models.loader import load_model, parse_dtype, resolve_model_path
 
@@ -38,6 +40,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens served from it
     num_preemptions: int
+    spec_decode: SpecDecodeStats | None = None  # proposed / accepted counters; None when speculation is off
 
 
 class Engine:
@@ -57,8 +60,14 @@ class Engine:
         torch.manual_seed(cfg.seed)
 
         model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        spec = cfg.speculative
+        draft = None
+        if spec is not None and spec.method == "draft":
+            draft = load_draft(spec.draft_model, self.arch, self.tokenizer, self.dtype, self.device, self.max_model_len)
         self.block_size = cfg.block_size
         bytes_per_block = ModelRunner.bytes_per_block(self.arch, self.block_size, self.dtype)
+        if draft is not None:  # the draft's KV pool mirrors the target's blocks, from the same budget
+            bytes_per_block += ModelRunner.bytes_per_block(draft[1], self.block_size, self.dtype)
         num_blocks = self._kv_budget(bytes_per_block) // bytes_per_block
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -68,6 +77,14 @@ class Engine:
             )
         self.runner = ModelRunner(model, self.arch, num_blocks, self.block_size, self.dtype, self.device)
         self.kv = KVCacheManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            proposer = (
+                NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                if draft is None
+                else DraftProposer(*draft, self.kv, num_blocks, self.dtype, self.device, self.arch.vocab_size)
+            )
+            self.spec = SpecDecoder(spec, proposer, self.max_model_len)
         self.model_salt = cfg.model_salt or self._default_model_salt()
         self.scheduler = Scheduler(
             self.kv,
@@ -225,6 +242,7 @@ class Engine:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
         )
 
     def save_snapshot(self, url: str | None = None, only_if_changed: bool = False):
@@ -247,6 +265,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a delta for every request that produced tokens or ended."""
         outputs, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -258,28 +278,47 @@ class Engine:
         now = time.monotonic()
         for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += num_new
-            token = result.sampled.get(request.request_id)
-            if token is None:
+            tokens = result.sampled.get(request.request_id)
+            if tokens is None:
                 continue  # a prefill chunk that did not reach the prompt's end
-            logprobs = self._decorate(result.logprobs.get(request.request_id))
-            request.append_output(token, logprobs)
+            if request.spec.token_ids:
+                # Roll back over the rejected proposals: their KV is stale and will be overwritten.
+                request.num_computed_tokens -= len(request.spec.token_ids) - (len(tokens) - 1)
+                self.kv.trim(request)
+                self.spec.record(request, len(tokens) - 1)
+            outputs.append(self._append(request, tokens, result.logprobs.get(request.request_id), now))
+        return outputs
+
+    def _append(self, request: Request, tokens: list[int], logprobs: list | None, now: float) -> RequestOutput:
+        """Append a step's tokens one by one: a stop condition met inside an accepted run of
+        proposals ends the request right there, as it would have without speculation."""
+        emitted, emitted_logprobs = [], []
+        reason, stop_reason = None, None
+        detok = self._detokenizers.get(request.request_id)
+        for i, token in enumerate(tokens):
+            token_logprobs = self._decorate(logprobs[i]) if logprobs is not None else None
+            request.append_output(token, token_logprobs)
+            emitted.append(token)
+            if token_logprobs is not None:
+                emitted_logprobs.append(token_logprobs)
             metrics = request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             metrics.token_times.append(now)
             reason, stop_reason = self._token_stop(request, token)
-            detok = self._detokenizers.get(request.request_id)
             if detok is not None:
                 stops_active = request.num_output_tokens >= request.params.min_tokens
                 matched = detok.add_tokens([token], final=reason is not None, check_stop=stops_active)
                 if matched is not None and reason is None:
                     reason, stop_reason = "stop", matched
             if reason is not None:
-                self.scheduler.finish(request, reason, stop_reason)
-            outputs.append(self._output(request, [token], [logprobs] if logprobs is not None else None))
-            if reason is not None:
-                self._detokenizers.pop(request.request_id, None)
-        return outputs
+                break
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop_reason)
+        output = self._output(request, emitted, emitted_logprobs or None)
+        if reason is not None:
+            self._detokenizers.pop(request.request_id, None)
+        return output
 
     def _token_stop(self, request: Request, token: int) -> tuple[str | None, str | int | None]:
         p = request.params

@@ -8,28 +8,38 @@ from dataclasses import dataclass
 import torch
 
 from kernels import AttentionMetadata
-from worker.engine.request import Request
+from worker.engine.outputs import PositionLogprobs
 from worker.engine.sampler import SamplerOutput, sample
 from worker.engine.scheduler import SchedulerOutput
+from worker.engine.spec_decode import verify
 from worker.models.config import ModelArch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class SeqChunk:
+    """One sequence's share of a flat batch."""
+
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of the first of them (the tokens before it have KV already)
+    block_ids: list[int]  # the sequence's block table
+    num_logits: int  # trailing rows whose logits are wanted (0: a prefill chunk, 1: sample, k+1: verify)
+
+
+@dataclass(slots=True)
 class ModelInput:
-    input_ids: torch.Tensor  # [num_tokens] int64: every scheduled token of every request, flat
+    input_ids: torch.Tensor  # [num_tokens] int64: every scheduled token of every sequence, flat
     positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of its KV slot
     attention: AttentionMetadata  # query_start_loc, seq_lens, block_tables (shared by all layers)
-    logits_indices: torch.Tensor  # [num_sampling] int64: rows whose logits are computed
-    sampling_requests: list[Request]  # the requests those rows belong to, same order
+    logits_indices: torch.Tensor  # [num_logits] int64: rows whose logits are computed
 
 
 @dataclass(slots=True)
 class StepOutput:
-    sampled: dict[str, int]  # request id -> new token, for requests that finished their tokens
-    logprobs: dict[str, object]  # request id -> PositionLogprobs, where asked for
+    sampled: dict[str, list[int]]  # request id -> its new tokens (accepted proposals + one sampled), where it sampled
+    logprobs: dict[str, list[PositionLogprobs]]  # request id -> one entry per new token, where asked for
 
 
 class ModelRunner:
@@ -52,27 +62,23 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
 
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+    def prepare(self, chunks: list[SeqChunk]) -> ModelInput:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logits_indices: list[int] = []
-        sampling: list[Request] = []
-        for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
-            start = request.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
+        for chunk in chunks:
+            start, end = chunk.start, chunk.start + len(chunk.token_ids)
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
-            table = request.block_ids
+            table = chunk.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(num_new)
+            query_lens.append(end - start)
             seq_lens.append(end)
             tables.append(table[: -(-end // bs)])
-            if end == request.num_tokens:  # all known tokens computed: the next one is sampled
-                logits_indices.append(len(input_ids) - 1)
-                sampling.append(request)
+            logits_indices.extend(range(len(input_ids) - chunk.num_logits, len(input_ids)))
         dev = self.device
         attention = AttentionMetadata.build(query_lens, seq_lens, tables, bs, dev)
         attention.backend_cache["workspace"] = self._attention_workspace
@@ -82,20 +88,42 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             attention=attention,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            sampling_requests=sampling,
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepOutput:
-        inputs = self.prepare(sched)
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """Run one flat batch: write every chunk's KV, return [sum of num_logits, vocab] float32
+        logits on the CPU (None when no chunk wants any)."""
+        inputs = self.prepare(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.slot_mapping, inputs.attention)
-        if not inputs.sampling_requests:
+        if not inputs.logits_indices.numel():
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        """The target's step: every scheduled token in one batch, then a token (or a verified
+        run of proposals plus one) for each request whose known tokens are all computed."""
+        chunks, sampling = [], []
+        for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
+            start, end, known = request.num_computed_tokens, request.num_computed_tokens + num_new, request.num_tokens
+            # Past the known tokens come this step's proposals; the row before each one scores it.
+            token_ids = request.all_token_ids[start:end] + request.spec.token_ids[: max(end - known, 0)]
+            num_logits = end - known + 1 if end >= known else 0
+            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits))
+            if num_logits:
+                sampling.append(request)
+        logits = self.forward(chunks)
+        if logits is None:
             return StepOutput({}, {})
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()
-        result: SamplerOutput = sample(logits, inputs.sampling_requests)
-        sampled, logprobs = {}, {}
-        for request, token, lp in zip(inputs.sampling_requests, result.token_ids, result.logprobs, strict=True):
-            sampled[request.request_id] = token
-            if lp is not None:
-                logprobs[request.request_id] = lp
-        return StepOutput(sampled, logprobs)
+        if any(r.spec.token_ids for r in sampling):
+            verified = verify(logits, sampling)
+            tokens, logprobs = verified.token_ids, verified.logprobs
+        else:
+            sampled: SamplerOutput = sample(logits, sampling)
+            tokens = [[t] for t in sampled.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in sampled.logprobs]
+        return StepOutput(
+            {r.request_id: t for r, t in zip(sampling, tokens, strict=True)},
+            {r.request_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None},
+        )

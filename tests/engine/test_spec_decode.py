@@ -1,0 +1,462 @@
+"""Speculative decoding: exact greedy outputs, exact sampling distributions, rollback, stops, abort."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.engine.helpers import make_request
+from worker.engine import Engine, EngineConfig, SamplingParams
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.outputs import RequestMetrics
+from worker.engine.proposers import prompt_lookup
+from worker.engine.request import Request, RequestStatus
+from worker.engine.sampler import adjust_logits, sampling_probs
+from worker.engine.scheduler import Scheduler
+from worker.engine.spec_decode import verify
+
+# --- statistics ------------------------------------------------------------------------------------
+
+
+def chi_square_p_value(counts: dict, probs: dict, n: int) -> float:
+    """Pearson's test of n draws against exact probabilities over a partition: outcomes expected
+    at least 5 times are bins of their own, the rest (and anything unlisted) one more bin."""
+    assert all(probs.get(outcome, 1.0) > 0 for outcome in counts), "drew an outcome of probability 0"
+    bins = [o for o, p in probs.items() if p * n >= 5]
+    observed = [counts.get(o, 0) for o in bins]
+    expected = [probs[o] * n for o in bins]
+    rest_expected = n - sum(expected)
+    if rest_expected >= 1:
+        observed.append(n - sum(observed))
+        expected.append(rest_expected)
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    df = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# --- configuration and the pieces ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("speculative", "message"),
+    [
+        ({"method": "medusa"}, "method must be one of"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "ngram_max": 3, "prompt_lookup_max": 3}, "not both"),
+        ({"method": "draft"}, "needs draft_model"),
+        ({"method": "ngram", "draft_model": "x"}, "only used by method 'draft'"),
+        ({"method": "ngram", "lookahead": 3}, "unknown speculative settings"),
+        ({"num_speculative_tokens": 3}, "needs a method"),
+        ({"method": "ngram", "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_bad_speculative_config_raises(speculative, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", speculative=speculative)
+
+
+def test_speculative_config_takes_ngram_max():
+    cfg = EngineConfig(model="m", speculative={"method": "ngram", "num_speculative_tokens": 3, "ngram_max": 2})
+    assert (cfg.speculative.method, cfg.speculative.num_speculative_tokens, cfg.speculative.prompt_lookup_max) == ("ngram", 3, 2)
+
+
+def test_prompt_lookup_continues_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 7, 2, 3]
+    assert prompt_lookup(tokens, 3, 1, 3) == [4, 5, 6]  # "2 3" last seen before "4 5 6"
+    assert prompt_lookup(tokens, 10, 1, 3) == [4, 5, 6, 7, 2, 3]  # runs up to the sequence's end
+    assert prompt_lookup([5, 6, 5, 6, 5], 4, 1, 4) == [6, 5]  # a cycle proposes itself
+    assert prompt_lookup([1, 2, 3, 4], 2, 1, 3) == []  # no suffix repeats
+    assert prompt_lookup([1, 2, 8, 1, 3, 8], 2, 2, 3) == []  # "3 8" never seen; 1-grams not allowed
+    assert prompt_lookup([7], 2, 1, 3) == []
+
+
+def _verifying(request_id: str, proposals: list[int], draft_probs=None, **params) -> Request:
+    request = make_request(request_id, 3, **params)
+    request.spec.token_ids = list(proposals)
+    request.spec.draft_probs = draft_probs
+    return request
+
+
+def test_greedy_verification_accepts_the_matching_prefix_then_the_argmax():
+    vocab = 10
+    # Argmax per row: 4, 7, 2, 9 (one request with 3 proposals), then 5 (one without proposals).
+    logits = torch.zeros(5, vocab)
+    for row, token in enumerate([4, 7, 2, 9, 5]):
+        logits[row, token] = 3.0
+    cases = [([4, 7, 2], [4, 7, 2, 9]), ([4, 7, 1], [4, 7, 2]), ([3, 7, 2], [4])]
+    for proposals, expected in cases:
+        requests = [_verifying("a", proposals, temperature=0.0), _verifying("b", [], temperature=0.0)]
+        assert verify(logits.clone(), requests).token_ids == [expected, [5]]
+
+
+def test_verification_sees_earlier_proposals_in_its_penalties():
+    # Row 1 scores the position after proposal 4: a repetition penalty must count that 4.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 3.0], [0.0, 0.0, 0.0, 2.9, 3.0]])
+    request = _verifying("a", [4], temperature=0.0, repetition_penalty=2.0)
+    request.prompt_token_ids = request.all_token_ids = [0, 1]
+    assert verify(logits, [request]).token_ids == [[4, 3]]  # 3.0 / 2 < 2.9
+
+
+VOCAB = 6
+TARGET_ROWS = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0], [0.0, 1.0, 2.0, 0.5, -0.5, 1.5]])
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p distribution, computed independently of the sampler."""
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    kept = torch.zeros_like(probs)
+    kept[order[before < top_p]] = probs[order[before < top_p]]
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+@pytest.mark.parametrize("proposer", ["draft", "point-mass"])
+def test_rejection_sampling_reproduces_the_target_distribution(proposer, top_p):
+    """Position 1 must follow p0 whatever was proposed; the bonus after an acceptance follows p1."""
+    n = 6000
+    gen = torch.Generator().manual_seed(11)
+    p0, p1 = (_nucleus(row.softmax(-1), top_p) for row in TARGET_ROWS)
+    q = torch.tensor([0.05, 0.05, 0.1, 0.3, 0.3, 0.2])  # a poor draft: mass where p has little or none
+    requests = []
+    for i in range(n):
+        if proposer == "draft":
+            token = int(torch.multinomial(q, 1, generator=gen))
+            requests.append(_verifying(f"r{i}", [token], q[None].clone(), temperature=1.0, top_p=top_p))
+        else:  # deterministic proposals: a likely token, an unlikely one (outside the nucleus at top_p 0.7)
+            requests.append(_verifying(f"r{i}", [(1, 4)[i % 2]], None, temperature=1.0, top_p=top_p))
+    torch.manual_seed(0)
+    result = verify(TARGET_ROWS.repeat(n, 1), requests).token_ids
+    firsts = Counter(tokens[0] for tokens in result)
+    bonuses = Counter(tokens[1] for tokens in result if len(tokens) == 2)
+    assert chi_square_p_value(firsts, dict(enumerate(p0.tolist())), n) > 1e-3
+    assert chi_square_p_value(bonuses, dict(enumerate(p1.tolist())), sum(bonuses.values())) > 1e-3
+    # The acceptance rate itself is sum_x min(p(x), q(x)) (draft) or the mean p(d) (point masses).
+    accept = float(torch.minimum(p0, q).sum()) if proposer == "draft" else float(p0[[1, 4]].mean())
+    assert abs(sum(bonuses.values()) / n - accept) < 4 * math.sqrt(accept * (1 - accept) / n)
+    # And the test has power: the same draws are far from the draft's own distribution.
+    assert proposer != "draft" or chi_square_p_value(firsts, dict(enumerate(q.tolist())), n) < 1e-9
+
+
+# --- scheduler and block manager -------------------------------------------------------------------
+
+
+def _decoding(sched: Scheduler, *request_ids: str) -> list[Request]:
+    """Running requests of 3 prompt tokens, prompt computed and a first output token sampled."""
+    requests = [make_request(rid, 3) for rid in request_ids]
+    for request in requests:
+        sched.add(request)
+    out = sched.schedule()
+    assert out.requests == requests
+    for request in requests:
+        request.num_computed_tokens = 3
+        request.append_output(7, None)
+    return requests
+
+
+def test_proposals_count_in_the_budget_and_get_lookahead_slots_never_cached():
+    sched = Scheduler(KVCacheManager(8, 4, enable_prefix_caching=True), max_num_seqs=4, max_num_batched_tokens=6)
+    a, b = _decoding(sched, "a", "b")  # 4 tokens known, 3 computed: one block each
+    assert (a.block_ids, b.block_ids) == ([0], [1])
+    a.spec.token_ids = [1, 2, 3, 4]
+    b.spec.token_ids = [5, 6]
+    out = sched.schedule()
+    # a: 1 + 4 = 5 tokens, positions 3..7 -> blocks [0, 2]; b gets the last token of budget, no proposals.
+    assert list(zip([r.request_id for r in out.requests], out.num_scheduled_tokens, strict=True)) == [("a", 5), ("b", 1)]
+    assert (a.spec.token_ids, b.spec.token_ids) == ([1, 2, 3, 4], [])
+    assert (a.block_ids, b.block_ids) == ([0, 2], [1])
+    # Block 0 is full of known tokens and is cached; block 2 holds only proposals and is not.
+    assert sched.kv.block_meta[0] is not None and sched.kv.block_meta[2] is None
+
+
+def test_a_short_pool_drops_proposals_before_preempting():
+    sched = Scheduler(KVCacheManager(2, 4, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _decoding(sched, "a", "b")
+    a.spec.token_ids = [1, 2, 3]  # would need a third block
+    out = sched.schedule()
+    assert not out.preempted and out.num_scheduled_tokens == [1, 1]
+    assert a.spec.token_ids == [] and b.status is RequestStatus.RUNNING
+
+
+def test_trim_returns_rejected_positions_blocks_to_the_front_of_the_queue():
+    kv = KVCacheManager(6, 4, enable_prefix_caching=False)
+    request = make_request("a", 3)
+    kv.allocate(request, 3, lookahead=6)  # 9 slots: blocks 0, 1, 2
+    assert request.block_ids == [0, 1, 2]
+    request.num_computed_tokens = 5  # two of six proposals accepted
+    kv.trim(request)
+    assert request.block_ids == [0, 1] and list(kv.free_queue)[0] == 2 and kv.num_free_blocks == 4
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory):
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def small_draft(tiny_model_factory):
+    """Unrelated random weights, same tokenizer: nearly every proposal is rejected."""
+    return str(tiny_model_factory("llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=1))
+
+
+@pytest.fixture(scope="module")
+def sharp_pair(tiny_model_factory, tmp_path_factory):
+    """A target with peaked next-token distributions, and as its draft its own first layer
+    (same embeddings and head): proposals are accepted about a quarter to a third of the time."""
+    target_dir = tiny_model_factory("llama", initializer_range=0.8)
+    draft_dir = tmp_path_factory.mktemp("sharp-draft")
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(draft_dir)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(draft_dir)
+    return str(target_dir), str(draft_dir)
+
+
+def _specs(target, small_draft) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+        "draft-rejected": {"method": "draft", "draft_model": small_draft, "num_speculative_tokens": 3},
+        "draft-accepted": {"method": "draft", "draft_model": target, "num_speculative_tokens": 4},
+    }
+
+
+PROMPT_LENGTHS = [1, 3, 7, 12, 16, 17, 33, 50]
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _params(i: int, max_tokens: int = 32) -> SamplingParams:
+    # Half the requests repeat themselves (a repetition penalty below 1), which n-gram proposals catch.
+    penalty = 0.3 if i % 2 else 1.0
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
+
+
+def _check_blocks(engine: Engine, exact: bool) -> None:
+    """Blocks cover the computed tokens (exactly, when no proposal slots are held between steps);
+    every cached block holds the request's verified tokens, never a rejected proposal."""
+    bs, kv = engine.block_size, engine.kv
+    k = engine.spec.config.num_speculative_tokens if engine.spec else 0
+    for r in engine.scheduler.running:
+        low = -(-r.num_computed_tokens // bs)
+        high = low if exact else -(-(r.num_computed_tokens + k) // bs)
+        assert low <= len(r.block_ids) <= high
+        for i, block in enumerate(r.block_ids):
+            meta = kv.block_meta[block]
+            if meta is not None:
+                assert meta.token_ids == tuple(r.all_token_ids[i * bs : (i + 1) * bs])
+
+
+def _bytes_per_block(engine: Engine) -> int:
+    pools = [engine.runner.kv_cache]
+    if engine.spec is not None and hasattr(engine.spec.proposer, "runner"):
+        pools.append(engine.spec.proposer.runner.kv_cache)  # the draft's pool, same block count
+    return sum(pool[:, :, 0].numel() * pool.element_size() for pool in pools)
+
+
+def _generate(engine: Engine, prompts, params, check_blocks: bool = True) -> list[list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if check_blocks:
+            _check_blocks(engine, exact=engine.spec is None or engine.spec.config.method == "ngram")
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and sum(engine.kv.ref_counts) == 0
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target):
+    prompts = _prompts()
+    params = [_params(i) for i in range(len(prompts))]
+    return prompts, params, _generate(Engine(target), prompts, params)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-rejected", "draft-accepted"])
+@pytest.mark.parametrize("setting", ["chunked-prefill", "preemption"])
+def test_greedy_output_is_identical_to_non_speculative(target, small_draft, greedy_reference, method, setting):
+    prompts, params, expected = greedy_reference
+    spec = _specs(target, small_draft)[method]
+    if setting == "chunked-prefill":  # 8 tokens a step: prompts split, proposals cut to what fits
+        engine = Engine(target, speculative=spec, max_num_batched_tokens=8, enable_prefix_caching=False)
+    else:  # 12 blocks of 16 for 8 requests of up to 82 tokens (and the draft's KV from the same budget)
+        per_block = _bytes_per_block(Engine(target, speculative=spec, max_model_len=128))
+        engine = Engine(target, speculative=spec, max_model_len=128, kv_cache_bytes=12 * per_block)
+    assert _generate(engine, prompts, params) == expected
+    stats = engine.stats()
+    if setting == "preemption":
+        assert stats.num_preemptions > 0
+    spec_stats = stats.spec_decode
+    assert spec_stats.num_draft_tokens > 0
+    if method == "draft-accepted":
+        assert spec_stats.acceptance_rate > 0.9 and spec_stats.mean_accepted_length > 3
+    elif method == "ngram":
+        assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
+
+
+def _run_one(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> dict:
+    engine.add_request(request_id, prompt, params)
+    result = {"tokens": [], "text": "", "logprobs": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            result["tokens"] += out.new_token_ids
+            result["text"] += out.new_text
+            result["logprobs"] += out.new_logprobs or []
+            if out.finished:
+                result["reason"], result["stop_reason"] = out.finish_reason, out.stop_reason
+    return result
+
+
+def test_stop_conditions_cut_an_accepted_run(target):
+    """With the target as its own draft nearly every proposal is accepted: stops fall inside runs."""
+    base_engine = Engine(target)
+    spec_engine = Engine(target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4})
+    prompt = [5, 6, 7, 8, 9]
+    base = _run_one(base_engine, "base", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    stop_token = base["tokens"][5]
+    first = base["tokens"].index(stop_token)
+    stop_text = next(base["text"][i : i + 3] for i in range(6, 30) if "\ufffd" not in base["text"][i : i + 3])
+    cases = [
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token], logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token], min_tokens=first + 2),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop_text]),
+    ]
+    for i, params in enumerate(cases):
+        expected = _run_one(base_engine, f"b{i}", prompt, params)
+        got = _run_one(spec_engine, f"s{i}", prompt, params)
+        assert got["tokens"] == expected["tokens"] and got["text"] == expected["text"]
+        assert (got["reason"], got["stop_reason"]) == (expected["reason"], expected["stop_reason"])
+        for a, b in zip(got["logprobs"], expected["logprobs"], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert expected["reason"] == "stop" and expected["stop_reason"] == stop_text
+    assert spec_engine.stats().spec_decode.acceptance_rate > 0.9
+    short = Engine(target, max_model_len=20, speculative={"method": "draft", "draft_model": target})
+    result = _run_one(short, "m", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert result["tokens"] == base["tokens"][:15] and result["reason"] == "length"
+    assert short.stats().spec_decode.num_accepted_tokens > 0
+
+
+def _exact_joint(model_dir: str, prompt: list[int], params: SamplingParams, depth: int, n: int) -> dict:
+    """The non-speculative engine's distribution of the first `depth` tokens: the target's
+    logits (transformers) under the sampler's own transforms. Lists every outcome whose
+    probability could reach 5/n (prefixes below it are not expanded)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    frontier = {(): 1.0}
+    for _ in range(depth):
+        contexts = list(frontier)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(c) for c in contexts])).logits[:, -1].float()
+        rows = []
+        for context in contexts:
+            request = Request("x", list(prompt), params, 0, 0, RequestMetrics(0.0))
+            for token in context:
+                request.append_output(token, None)
+            rows.append(request)
+        adjust_logits(logits, rows)
+        probs = sampling_probs(logits, rows)
+        frontier = {
+            c + (t,): frontier[c] * p
+            for c, row in zip(contexts, probs, strict=True)
+            for t, p in enumerate(row.tolist())
+            if frontier[c] * p * n >= 5
+        }
+    return frontier
+
+
+@pytest.mark.parametrize(
+    ("method", "prompt", "params"),
+    [
+        ("draft", [100, 200, 100, 200, 100], SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)),
+        ("draft", [100, 200, 100, 200, 100], SamplingParams(max_tokens=4, temperature=1.0, top_p=0.8, ignore_eos=True)),
+        (
+            "ngram",
+            [285, 227, 10, 227, 285],
+            SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, repetition_penalty=0.5, ignore_eos=True),
+        ),
+    ],
+    ids=["draft-t1", "draft-top-p", "ngram-top-p-penalty"],
+)
+def test_sampled_tokens_follow_the_target_distribution(sharp_pair, method, prompt, params):
+    """Token 1 comes from the prefill; tokens 2 and 3 from a verification of up to 2 proposals."""
+    target_dir, draft_dir = sharp_pair
+    n = 1500
+    spec = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft":
+        spec["draft_model"] = draft_dir
+    engine = Engine(target_dir, speculative=spec, max_num_seqs=256, max_num_batched_tokens=1024)
+    outputs = _generate(engine, [prompt] * n, [params] * n, check_blocks=False)
+    counts = Counter(tuple(tokens[:3]) for tokens in outputs)
+    stats = engine.stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both branches taken
+    assert chi_square_p_value(counts, _exact_joint(target_dir, prompt, params, 3, n), n) > 1e-3
+
+
+def test_seeded_requests_reproduce_in_any_batch(sharp_pair):
+    target_dir, draft_dir = sharp_pair
+    spec = {"method": "draft", "draft_model": draft_dir, "num_speculative_tokens": 3}
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)
+    alone = _generate(Engine(target_dir, speculative=spec), [[5, 6, 7]], [seeded])[0]
+    batched = _generate(Engine(target_dir, speculative=spec), [[9, 9], [5, 6, 7], [4]], [other, seeded, other])[1]
+    assert alone == batched and len(alone) == 24
+
+
+def test_abort_between_verifications_leaves_nothing_behind(target, greedy_reference):
+    prompts, params, expected = greedy_reference
+    engine = Engine(target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4})
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    reasons = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        step += 1
+        victim = {2: "r1", 3: "r3", 6: "r5"}.get(step)  # each mid-generation, holding verified runs
+        if victim is not None:
+            assert engine.abort(victim)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and sum(engine.kv.ref_counts) == 0
+    for i in range(len(prompts)):
+        rid = f"r{i}"
+        if rid in ("r1", "r3", "r5"):
+            assert reasons[rid] == "abort" and tokens[rid] == expected[i][: len(tokens[rid])]
+        else:
+            assert reasons[rid] == "length" and tokens[rid] == expected[i]
+
+
+def test_speculation_pauses_where_it_does_not_pay(target, small_draft):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = {"method": "draft", "draft_model": small_draft, "num_speculative_tokens": 3}
+    eager = Engine(target, speculative={**spec, "min_acceptance_rate": 0.0})
+    patient = Engine(target, speculative={**spec, "min_acceptance_rate": 0.5, "pause_steps": 10})
+    assert _generate(eager, [[5, 6, 7]], [params]) == _generate(patient, [[5, 6, 7]], [params])
+    # Every decode step proposes without pausing; with it, one probe per pause.
+    assert eager.stats().spec_decode.num_drafts >= 30
+    assert patient.stats().spec_decode.num_drafts <= 6
+    crowded = Engine(target, speculative={**spec, "disable_by_batch_size": 3})
+    _generate(crowded, [[5], [6], [7]], [params] * 3)
+    assert crowded.stats().spec_decode.num_drafts == 0
+
+
+def test_draft_with_another_tokenizer_is_refused(target, tiny_model_factory):
+    other = tiny_model_factory("llama", vocab_size=300)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        Engine(target, speculative={"method": "draft", "draft_model": str(other)})
