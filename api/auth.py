@@ -95,7 +95,9 @@ def _unauthorized(message: str) -> ApiError:
 _bearer = HTTPBearer(auto_error=False)
 
 
-def tenant(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
-    """FastAPI dependency: the calling tenant."""
+async def tenant(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """FastAPI dependency: the calling tenant (async: a sync dependency costs a threadpool hop)."""
     token = credentials.credentials.strip() if credentials else None
     return request.app.state.keyring.tenant_for(token)

@@ -12,6 +12,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("ferry.api")
@@ -94,6 +95,12 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
+async def _redis_error(_: Request, exc: RedisError) -> JSONResponse:
+    log.warning("redis error: %s", exc)
+    return error_response(503, "redis_unavailable", "the job store is unavailable; retry later",
+                          headers={"Retry-After": "1"})
+
+
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return error_response(500, "internal_error", "internal server error")
@@ -103,6 +110,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RedisError, _redis_error)
     app.add_exception_handler(Exception, _unexpected)
 
 

@@ -58,7 +58,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = aredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        # A blocking pool: under a burst, requests queue for a connection instead of failing.
+        pool = aredis.BlockingConnectionPool.from_url(
+            settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
+            timeout=settings.redis_pool_timeout_s,
+        )
+        client = aredis.Redis.from_pool(pool)
         hub = PubSubHub(client)
         hub.start()
         app.state.services = Services(

@@ -22,6 +22,8 @@ from api.streaming import PubSubHub
 from worker.protocol import EnqueueResult, JobRecord, JobRequest, enqueue_job_async
 from worker.webhook_keys import WebhookKeys, watch_value
 
+MODEL_CACHE_S = 1.0
+
 
 class ApiMetrics:
     """The API's Prometheus metrics, in their own registry (one per app)."""
@@ -45,10 +47,12 @@ class Services:
     keyring: KeyRing
     metrics: ApiMetrics
     configured_models: frozenset[str]  # FERRY_MODELS: accepted even with no live worker
+    # (monotonic time, names): live models as last read, reused for routing for MODEL_CACHE_S
+    models_seen: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
 
-def services(request: Request) -> Services:
-    """FastAPI dependency."""
+async def services(request: Request) -> Services:
+    """FastAPI dependency (async: a sync dependency costs a threadpool hop)."""
     return request.app.state.services
 
 
@@ -58,8 +62,17 @@ async def live_models(svc: Services) -> list[str]:
     return list(await svc.redis.zrangebyscore(svc.keys.models, since, "+inf"))
 
 
+async def _routable_models(svc: Services) -> frozenset[str]:
+    # Routing reads the heartbeat set at most once per MODEL_CACHE_S: one round trip less per request.
+    seen_at, names = svc.models_seen
+    if time.monotonic() - seen_at > MODEL_CACHE_S:
+        names = frozenset(await live_models(svc))
+        svc.models_seen = (time.monotonic(), names)
+    return names | svc.configured_models
+
+
 async def resolve_model(svc: Services, name: str | None, field: str = "model") -> str:
-    known = set(await live_models(svc)) | svc.configured_models
+    known = await _routable_models(svc)
     if name is None:
         if len(known) == 1:
             return next(iter(known))

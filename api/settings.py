@@ -10,6 +10,8 @@ class ApiSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "ferry"
+    redis_max_connections: int = 64  # the API's pool; requests wait for a free connection
+    redis_pool_timeout_s: float = 10.0  # longest wait for one (then 503)
     host: str = "0.0.0.0"
     port: int = 8000
     # API keys: comma-separated "sha256hex:tenant" pairs, or a file with one pair per line.

@@ -114,36 +114,50 @@ async def _is_terminal(client: aredis.Redis, keys: Keys, job_id: str, seq: int) 
 
 async def follow_events(
     client: aredis.Redis, hub: PubSubHub, keys: Keys, job_id: str, after: int = -1, idle_s: float = 15.0
-) -> AsyncIterator[Event | None]:
-    """Yield the job's events with seq > `after` once each, in order, ending with the terminal
-    one. Yields None after `idle_s` without an event (time for a keep-alive)."""
+) -> AsyncIterator[list[Event] | None]:
+    """Yield the job's events with seq > `after` once each, in order, ending with the terminal one.
+
+    Events come in batches of whatever is available at once, so a burst (a replay, or a follower
+    that fell behind) goes out in one write. Yields None after `idle_s` without an event (time
+    for a keep-alive).
+    """
     if after >= 0 and await _is_terminal(client, keys, job_id, after):
         return  # resuming after the last event: nothing follows
     async with hub.subscribe(keys.channel(job_id)) as live:
         last = after
         while True:
-            for event in await read_events_after(client, keys, job_id, last):
-                yield event
-                last = event.seq
-                if event.type in TERMINAL_EVENT_TYPES:
+            replayed = await read_events_after(client, keys, job_id, last)
+            if replayed:
+                yield replayed
+                last = replayed[-1].seq
+                if replayed[-1].type in TERMINAL_EVENT_TYPES:
                     return
             while True:
                 try:
-                    data = await asyncio.wait_for(live.get(), idle_s)
+                    # Under load the next message is usually there already: skip wait_for's timer.
+                    first = live.get_nowait() if not live.empty() else await asyncio.wait_for(live.get(), idle_s)
                 except TimeoutError:
                     yield None
                     break  # re-read the stream after every idle spell: nothing can stay missed
-                if data is RESYNC:
+                batch, resync = [], False
+                for data in [first, *(live.get_nowait() for _ in range(live.qsize()))]:
+                    if data is RESYNC:
+                        resync = True
+                        break
+                    event = decode_event(data)
+                    if event.seq <= last:
+                        continue
+                    if event.seq != last + 1:
+                        resync = True  # a gap: the stream has what pub/sub skipped
+                        break
+                    batch.append(event)
+                    last = event.seq
+                if batch:
+                    yield batch
+                    if batch[-1].type in TERMINAL_EVENT_TYPES:
+                        return
+                if resync:
                     break
-                event = decode_event(data)
-                if event.seq <= last:
-                    continue
-                if event.seq != last + 1:
-                    break  # a gap: the stream has what pub/sub skipped
-                yield event
-                last = event.seq
-                if event.type in TERMINAL_EVENT_TYPES:
-                    return
 
 
 def sse(data: str, *, event: str | None = None, id: int | str | None = None) -> str:

@@ -102,8 +102,8 @@ async def wait_until_terminal(svc: Services, job_id: str, timeout_s: float) -> N
     """Return when the job's terminal event is out, or after `timeout_s`."""
     try:
         async with asyncio.timeout(timeout_s):
-            async for event in follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=svc.settings.sse_keepalive_s):
-                if event is not None and event.type in TERMINAL_EVENT_TYPES:
+            async for batch in follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=svc.settings.sse_keepalive_s):
+                if batch is not None and batch[-1].type in TERMINAL_EVENT_TYPES:
                     return
     except TimeoutError:
         return
@@ -135,14 +135,16 @@ async def create_job(
     wait_s = _prefer_wait(prefer, svc.settings.max_wait_s)
     if wait_s > 0:
         await wait_until_terminal(svc, result.job_id, wait_s)
-    record = await get_job(svc, result.job_id, tenant_name)
+    # A job created just now is queued as written (saves a round trip); anything else is read back.
+    fresh = result.created and wait_s == 0
+    record = JobRecord.new(result.job_id, request) if fresh else await get_job(svc, result.job_id, tenant_name)
     headers = {"Location": urls(record.id).self}
     if wait_s > 0:
         headers["Preference-Applied"] = f"wait={wait_s:g}"
     if not result.created:
         headers["Idempotent-Replayed"] = "true"
-    view = job_view(record)
-    return JSONResponse(view.model_dump(mode="json"), status_code=200 if record.terminal else 202, headers=headers)
+    status = 200 if wait_s > 0 and record.terminal else 202
+    return JSONResponse(job_view(record).model_dump(mode="json"), status_code=status, headers=headers)
 
 
 @router.get("/{job_id}", response_model=JobView, responses=error_responses(401, 404, 422), summary="Get a job")
@@ -168,8 +170,8 @@ async def job_events(
     after = int(last_event_id) if last_event_id is not None else -1
 
     async def stream():
-        async for event in follow_events(svc.redis, svc.hub, svc.keys, job_id, after, svc.settings.sse_keepalive_s):
-            yield KEEPALIVE if event is None else sse(encode_event(event), event=event.type, id=event.seq)
+        async for batch in follow_events(svc.redis, svc.hub, svc.keys, job_id, after, svc.settings.sse_keepalive_s):
+            yield KEEPALIVE if batch is None else "".join(sse(encode_event(e), event=e.type, id=e.seq) for e in batch)
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 

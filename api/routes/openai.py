@@ -242,19 +242,20 @@ async def _answer(svc: Services, http: Request, job: JobRequest, shape_for: Call
     try:
         deadline = (job.ttl_s or 0) + (job.timeout_s or 0) + 30
         async with asyncio.timeout(deadline):
-            async for event in events:
-                if event is None:
+            async for batch in events:
+                if batch is None:
                     if await http.is_disconnected():
                         await _cancel_quietly(svc, result.job_id)
                         return JSONResponse({}, status_code=499)
                     continue
-                if event.type == "token":
-                    shape.text += event.text
-                    shape.token_logprobs += event.logprobs or []
-                elif event.type == "completed":
-                    return JSONResponse(shape.body(event.finish_reason, event.usage))
-                elif event.type in TERMINAL_EVENT_TYPES:
-                    raise job_error(event)
+                for event in batch:
+                    if event.type == "token":
+                        shape.text += event.text
+                        shape.token_logprobs += event.logprobs or []
+                    elif event.type == "completed":
+                        return JSONResponse(shape.body(event.finish_reason, event.usage))
+                    elif event.type in TERMINAL_EVENT_TYPES:
+                        raise job_error(event)
     except TimeoutError:
         await _cancel_quietly(svc, result.job_id)
         raise ApiError(504, "timeout", "no result in time; the job was cancelled") from None
@@ -262,15 +263,15 @@ async def _answer(svc: Services, http: Request, job: JobRequest, shape_for: Call
         await events.aclose()
 
 
-async def _prime(events: AsyncIterator[Event | None]) -> list[Event]:
+async def _prime(events: AsyncIterator[list[Event] | None]) -> list[Event]:
     """Events up to the job's first token or end, or what came within `_PRIME_S`: so a job that
     fails at once (say, a prompt too long) is still answered with an HTTP error status."""
     buffered: list[Event] = []
     started = time.monotonic()
-    async for event in events:
-        if event is not None:
-            buffered.append(event)
-            if event.type != "started":
+    async for batch in events:
+        if batch is not None:
+            buffered += batch
+            if buffered[-1].type != "started":
                 break
         elif time.monotonic() - started > _PRIME_S:
             break
@@ -292,36 +293,39 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
             payload["usage"] = None
         return sse_json(payload)
 
+    def render(event: Event) -> list[str]:
+        """The SSE messages for one event; the last event's end with `[DONE]`."""
+        if event.type == "token":
+            out = [chunk(shape.chunk(event.text, event.logprobs))] if event.text or (shape.logprobs and event.logprobs) else []
+            shape.text += event.text
+            return out
+        if event.type == "completed":
+            out = [chunk(shape.chunk("", None, event.finish_reason))]
+            return out + ([chunk(shape.usage_chunk(event.usage))] if include_usage else []) + [sse("[DONE]")]
+        if event.type in TERMINAL_EVENT_TYPES:
+            error = job_error(event)
+            return [sse_json({"error": {"code": error.code, "message": error.message}}), sse("[DONE]")]
+        return []
+
     async def body():
         finished = False
         last_write = time.monotonic()
         try:
-            if (first := shape.first_chunk()) is not None:
-                yield chunk(first)
-            pending = list(buffered)
+            first = shape.first_chunk()
+            out = [chunk(first)] if first is not None else []
+            batch: list[Event] | None = buffered
             while True:
-                event = pending.pop(0) if pending else await anext(events)
-                if event is None:
-                    if time.monotonic() - last_write >= svc.settings.sse_keepalive_s:
-                        last_write = time.monotonic()
-                        yield KEEPALIVE
-                    continue
-                last_write = time.monotonic()
-                if event.type == "token":
-                    if event.text or (shape.logprobs and event.logprobs):
-                        yield chunk(shape.chunk(event.text, event.logprobs))
-                    shape.text += event.text
-                elif event.type == "completed":
-                    yield chunk(shape.chunk("", None, event.finish_reason))
-                    if include_usage:
-                        yield chunk(shape.usage_chunk(event.usage))
+                if batch is not None:
+                    for event in batch:
+                        out += render(event)
+                    finished = bool(batch) and batch[-1].type in TERMINAL_EVENT_TYPES
+                if out or (batch is None and time.monotonic() - last_write >= svc.settings.sse_keepalive_s):
+                    last_write = time.monotonic()
+                    yield "".join(out) or KEEPALIVE  # a burst of events goes out as one write
+                    out = []
+                if finished:
                     break
-                elif event.type in TERMINAL_EVENT_TYPES:
-                    error = job_error(event)
-                    yield sse_json({"error": {"code": error.code, "message": error.message}})
-                    break
-            yield sse("[DONE]")
-            finished = True
+                batch = await anext(events)
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()

@@ -1,8 +1,8 @@
 """Fuzz every operation of the OpenAPI schema (valid and invalid inputs) against the running stack
 with schemathesis: no 5xx, and every response matches the schema (status, content type, body).
 
-The CLI runs in a subprocess (its pytest plugin does not support this pytest); the run is bounded
-by examples per operation and a time budget.
+The CLI runs in a subprocess (its pytest plugin fails on pytest 9: `Function._nodeid`); the run is
+bounded by its examples per operation (the deterministic coverage phase is left out: ~1000 cases).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def test_no_server_errors_and_responses_match_the_schema(stack, tmp_path):
     done = subprocess.run(
         [str(cli), "run", stack.url + "/openapi.json",
          "--header", f"Authorization: Bearer {KEY_A}",
-         "--checks", CHECKS, "--mode", "all", "--phases", "coverage,fuzzing",
-         "--max-examples", "8", "--seed", "1", "--workers", "1", "--request-timeout", "60",
+         "--checks", CHECKS, "--mode", "all", "--phases", "fuzzing",
+         "--max-examples", "15", "--seed", "1", "--workers", "1", "--request-timeout", "60",
          "--generation-database", "none", "--suppress-health-check", "all", "--no-color",
          "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=220, cwd=tmp_path,
