@@ -222,7 +222,12 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     keys = WebhookKeys(settings.key_prefix)
     app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
-        broker_transport_options={"global_keyprefix": keys.celery_prefix},
+        # A retry waits in the worker as an ETA task; Redis re-delivers an unacked task after the
+        # visibility timeout, so it must outlast the longest backoff.
+        broker_transport_options={
+            "global_keyprefix": keys.celery_prefix,
+            "visibility_timeout": max(3600, int(2 * settings.webhook_retry_max_s + settings.webhook_timeout_s)),
+        },
         broker_connection_retry_on_startup=True,
         task_default_queue=keys.webhook_queue,
         task_ignore_result=True,
