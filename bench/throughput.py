@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -194,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-shaped random)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or smollm2_shaped()
     import json
 
-    vocab = json.loads((model_dir if not isinstance(model_dir, str) else __import__("pathlib").Path(model_dir)).joinpath("config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     work = Workload.make(args.n, vocab, args.seed)
     results = []
     for system in systems:
