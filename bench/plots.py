@@ -1,0 +1,209 @@
+"""Every PNG that Ferry's benchmarks and training draw: one function per figure, matplotlib only here.
+
+Each function takes the JSON a suite wrote (a dict, as loaded) or plain lists, draws one figure
+and saves it; nothing here runs a benchmark.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_training(histories, path: Path) -> Path:
+    """Train loss (smoothed) and held-out loss per step, one colour per model."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for h, colour in zip(histories, ("tab:blue", "tab:orange", "tab:green"), strict=False):
+        window = 10
+        smooth = [sum(h.train_loss[max(0, i - window + 1) : i + 1]) / len(h.train_loss[max(0, i - window + 1) : i + 1])
+                  for i in range(len(h.train_loss))]
+        ax.plot(h.steps, smooth, color=colour, alpha=0.6, label=f"{h.name} train ({h.num_params / 1e6:.2f}M params)")
+        ax.plot(h.eval_steps, h.eval_loss, "o-", color=colour, markersize=3, label=f"{h.name} held out")
+    ax.set_xlabel("step (8 × 256 tokens)")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_ylim(top=min(9.0, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("Ferry demo and draft models on the Python standard library")
+    return _save(fig, path)
+
+
+def _percentile_points(summary: dict, key: str) -> tuple[list[float], list[float]]:
+    """(latencies in ms, cumulative share): an empirical CDF from a raw list of seconds when the
+    suite kept one (`<key>_s`), else the p50/p90/p99 points it reported (`<key>_ms`)."""
+    raw = summary.get(f"{key}_s")
+    if isinstance(raw, list) and raw:
+        xs = sorted(v * 1e3 for v in raw)
+        return xs, [(i + 1) / len(xs) for i in range(len(xs))]
+    points = sorted((int(p[1:]), v) for p, v in (summary.get(f"{key}_ms") or {}).items() if v is not None)
+    return [v for _, v in points], [p / 100 for p, _ in points]
+
+
+def plot_throughput(data: dict, out_dir: Path) -> list[Path]:
+    """Tokens/s per system, TTFT/TBT CDFs and Ferry's KV memory, from bench.throughput's JSON."""
+    results = [r for r in data.get("results", []) if "tokens_per_s" in r]
+    if not results:
+        return []
+    workload = data.get("workload", {})
+    # Requests decoded together: one, static batches of 8, or up to all of them (continuous batching).
+    at_once = {"hf-single": "1", "hf-static8": "8"}
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['system']}\n({at_once.get(r['system'], '≤' + str(workload.get('n', '?')))} at once)" for r in results]
+    bars = ax.bar(labels, [r["tokens_per_s"] for r in results],
+                  color=["tab:green" if r["system"] == "ferry" else "tab:gray" for r in results])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"Throughput by batching strategy and concurrency: {workload.get('n')} requests, {workload.get('model', '')}",
+                 fontsize=9)
+    paths.append(_save(fig, out_dir / "throughput.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft", "time to first token"), (axes[1], "tbt", "time between tokens")):
+        raw = all(isinstance(r.get(f"{key}_s"), list) for r in results)
+        for r in results:
+            xs, ys = _percentile_points(r, key)
+            if xs:
+                ax.plot(xs, ys, "-" if raw else "o-", drawstyle="steps-post" if raw else "default", label=r["system"],
+                        color="tab:green" if r["system"] == "ferry" else None)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (log)")
+        ax.set_ylabel("share of requests" if key == "ttft" else "share of token gaps")
+        ax.set_title(f"{title}: CDF" + ("" if raw else " at p50 / p90 / p99"))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "latency-cdf.png"))
+
+    kv = next((r.get("kv") for r in results if r["system"] == "ferry" and r.get("kv")), None)
+    if kv:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        peak = kv["peak_allocated_tokens"]
+        values = [kv["pool_tokens"], peak, peak * kv["used_over_allocated_mean"]]
+        bars = ax.bar(["reserved pool", "peak allocated", "holding KV\n(peak × mean used share)"], values,
+                      color=["tab:gray", "tab:blue", "tab:green"])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_yscale("log")
+        ax.set_ylabel("token slots (log)")
+        ax.set_title(f"Ferry KV cache: {kv['used_over_allocated_mean']:.1%} of allocated slots hold KV")
+        paths.append(_save(fig, out_dir / "kv-memory.png"))
+    return paths
+
+
+def plot_prefix(data: dict, out_dir: Path) -> list[Path]:
+    """Prefix cache on/off TTFT, snapshot cold start, restore vs recompute, from bench.prefix's JSON."""
+    shared, cold, restore = data.get("shared_prefix"), data.get("cold_start"), data.get("restore_vs_recompute")
+    if not shared:
+        return []
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    ax = axes[0]
+    x = range(2)
+    for offset, (mode, colour) in zip((-0.2, 0.2), (("on", "tab:green"), ("off", "tab:gray")), strict=True):
+        bars = ax.bar([i + offset for i in x], [shared[mode]["p50_s"], shared[mode]["p99_s"]], width=0.4,
+                      color=colour, label=f"prefix cache {mode}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(list(x), ["p50", "p99"])
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"shared {data.get('settings', {}).get('system_tokens', '?')}-token prefix")
+    ax.legend()
+    if cold:
+        ax = axes[1]
+        for mode, colour in (("restored", "tab:green"), ("cold", "tab:gray")):
+            ttft = cold[mode]["ttft_s"]
+            ax.plot(range(1, len(ttft) + 1), ttft, "o-", color=colour, label="snapshot restored" if mode == "restored" else "no snapshot")
+        ax.set_xlabel("request # on a fresh engine")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title("cold start")
+        ax.legend()
+    if restore:
+        ax = axes[2]
+        bars = ax.bar(["restore snapshot", "recompute (prefill)"], [restore["restore_s"], restore["recompute_s"]],
+                      color=["tab:green", "tab:gray"])
+        ax.bar_label(bars, fmt="%.2f s")
+        ax.set_title(f"{restore.get('tokens')} tokens of KV ({restore.get('gib', 0):.2f} GiB)")
+    return [_save(fig, out_dir / "prefix.png")]
+
+
+def plot_queue(data: dict, out_dir: Path) -> list[Path]:
+    """The Redis path against the in-process engine, from bench.queue's JSON."""
+    direct, queue = data.get("direct"), data.get("queue")
+    if not (direct and queue):
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for offset, (name, r, colour) in zip((-0.2, 0.2), (("in-process engine", direct, "tab:gray"), ("via Redis worker", queue, "tab:green")), strict=True):
+        bars = axes[0].bar([offset, 1 + offset], [r["ttft_p50_ms"], r["ttft_p99_ms"]], width=0.4, color=colour, label=name)
+        axes[0].bar_label(bars, fmt="%.0f")
+    axes[0].set_xticks([0, 1], ["TTFT p50", "TTFT p99"])
+    axes[0].set_ylabel("ms")
+    axes[0].legend()
+    bars = axes[1].bar(["in-process engine", "via Redis worker"], [direct["tokens_per_s"], queue["tokens_per_s"]],
+                       color=["tab:gray", "tab:green"])
+    axes[1].bar_label(bars, fmt="%.0f")
+    axes[1].set_ylabel("output tokens / s")
+    fig.suptitle(f"{data.get('jobs')} concurrent jobs")
+    return [_save(fig, out_dir / "queue.png")]
+
+
+def plot_specdec(data: dict, out_dir: Path) -> list[Path]:
+    """Speculative decoding's speedup over no speculation, per workload, batch and proposer."""
+    cases = [(f"{workload}\n{batch.replace('batch', 'batch ')}", systems)
+             for workload, batches in (data.get("results") or {}).items() for batch, systems in batches.items()]
+    proposers = sorted({name for _, systems in cases for name in systems if name != "baseline"})
+    if not cases or not proposers:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(proposers)
+    for i, name in enumerate(proposers):
+        xs = [j + (i - (len(proposers) - 1) / 2) * width for j in range(len(cases))]
+        bars = ax.bar(xs, [systems.get(name, {}).get("speedup", 0) for _, systems in cases], width=width, label=name)
+        ax.bar_label(bars, fmt="%.2f×", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), [label for label, _ in cases])
+    ax.set_ylabel("speedup over no speculation (×)")
+    weights = (data.get("models") or {}).get("weights")
+    ax.set_title("speculative decoding, greedy" + (f" ({weights} weights)" if weights else ""))
+    ax.legend(title="proposer")
+    return [_save(fig, out_dir / "specdec.png")]
+
+
+def plot_factors(suite: str, rows, out_dir: Path) -> list[Path]:
+    """Any suite's factors (bench.report rows: > 1 means Ferry is better) as horizontal bars."""
+    rows = [r for r in rows if r.factor is not None]
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(10, max(2.5, 1.0 + 0.45 * len(rows))))
+    bars = ax.barh([r.metric for r in rows], [r.factor for r in rows],
+                   color=["tab:green" if r.factor >= 1 else "tab:red" for r in rows])
+    ax.bar_label(bars, fmt="%.2f×")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("Ferry vs baseline (×, > 1 is better)")
+    ax.set_title(f"{suite}: speedup" if suite == "specdec" else suite)
+    return [_save(fig, out_dir / f"{suite}.png")]
+
+
+def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
+    """Every figure the given suite results (name -> JSON) support; returns the files written."""
+    from bench.report import rows_for
+
+    drawers = {"throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec}
+    paths = []
+    for suite, data in results.items():
+        drawer = drawers.get(suite)
+        paths += drawer(data, out_dir) if drawer else plot_factors(suite, rows_for(suite, data), out_dir)
+    return paths

@@ -1,0 +1,235 @@
+"""The README's results table, made from the latest JSON each suite wrote to bench/results/.
+
+    python -m bench.report            # print the table
+    python -m bench.report --write    # also replace README.md's section between the results markers
+
+Every row is Ferry against the baseline measured in the same run, with the factor written so
+that above 1 means Ferry is better (higher throughput, or lower latency); the machine each
+suite ran on is named under the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import RESULTS_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+PLOTS_DIR = REPO / "bench" / "plots"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels")
+
+
+@dataclass
+class Row:
+    suite: str
+    metric: str  # what was measured, with its unit
+    ferry: float | None
+    baseline: float | None
+    baseline_name: str
+    higher_is_better: bool
+
+    @property
+    def factor(self) -> float | None:
+        if not self.ferry or not self.baseline:
+            return None
+        return self.ferry / self.baseline if self.higher_is_better else self.baseline / self.ferry
+
+
+def latest_path(suite: str, results_dir: Path = RESULTS_DIR) -> Path | None:
+    """`<suite>-latest.json` (kept by `ferry bench`), else the suite's newest JSON file."""
+    latest = results_dir / f"{suite}-latest.json"
+    if latest.is_file():
+        return latest
+    candidates = sorted(results_dir.glob(f"{suite}*.json"), key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+def latest_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict]:
+    """Suite name -> its latest JSON, for the suites that have one."""
+    found = {}
+    for suite in SUITE_NAMES:
+        path = latest_path(suite, results_dir)
+        if path is not None:
+            try:
+                found[suite] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                print(f"bench.report: skipping {path}: {exc}", file=sys.stderr)
+    return found
+
+
+def _get(data: dict, *keys, default=None):
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return default
+        data = data[key]
+    return data
+
+
+def throughput_rows(data: dict) -> list[Row]:
+    by_system = {r["system"]: r for r in data.get("results", []) if "system" in r}
+    ferry = by_system.get("ferry")
+    if ferry is None:
+        return []
+    n = _get(data, "workload", "n")
+    rows = []
+    for name, r in by_system.items():
+        if name == "ferry":
+            continue
+        rows.append(Row("throughput", f"output tok/s, {n} requests", ferry.get("tokens_per_s"), r.get("tokens_per_s"), name, True))
+    return rows
+
+
+def prefix_rows(data: dict) -> list[Row]:
+    shared, cold, restore = data.get("shared_prefix", {}), data.get("cold_start", {}), data.get("restore_vs_recompute", {})
+    system = _get(data, "settings", "system_tokens")
+    rows = [
+        Row("prefix", f"TTFT p50 (s), {system}-token shared prefix", _get(shared, "on", "p50_s"), _get(shared, "off", "p50_s"), "prefix cache off", False),
+        Row("prefix", "first TTFT (s) of a fresh worker", _get(cold, "restored", "first_ttft_s"), _get(cold, "cold", "first_ttft_s"), "no snapshot", False),
+        Row("prefix", f"{restore.get('tokens')} tokens of KV back (s)", restore.get("restore_s"), restore.get("recompute_s"), "recompute", False),
+    ]
+    return [r for r in rows if r.ferry is not None]
+
+
+def queue_rows(data: dict) -> list[Row]:
+    label = f"{data.get('jobs')} jobs"
+    rows = [
+        Row("queue", f"output tok/s, {label}", _get(data, "queue", "tokens_per_s"), _get(data, "direct", "tokens_per_s"), "in-process engine", True),
+        Row("queue", f"TTFT p50 (ms), {label}", _get(data, "queue", "ttft_p50_ms"), _get(data, "direct", "ttft_p50_ms"), "in-process engine", False),
+    ]
+    return [r for r in rows if r.ferry is not None]
+
+
+def specdec_rows(data: dict) -> list[Row]:
+    rows = []
+    for workload, batches in (data.get("results") or {}).items():
+        for batch, systems in batches.items():
+            base = systems.get("baseline", {}).get("tokens_per_s")
+            for name, r in systems.items():
+                if name != "baseline" and "tokens_per_s" in r:
+                    metric = f"output tok/s, {name} speculation, {workload}, {batch.replace('batch', 'batch ')}"
+                    rows.append(Row("specdec", metric, r["tokens_per_s"], base, "no speculation", True))
+    return rows
+
+
+def api_rows(data: dict) -> list[Row]:
+    label = f"{data.get('clients')} streams"
+    rows = [
+        Row("api", f"TTFT p50 (ms), {label}", _get(data, "client", "ttft_ms", "p50"), _get(data, "worker", "ttft_ms", "p50"),
+            "worker's own (no HTTP)", False),
+        Row("api", f"time between tokens p50 (ms), {label}", _get(data, "client", "tpot_ms", "p50"),
+            _get(data, "worker", "tbt_ms", "p50"), "worker's own (no HTTP)", False),
+    ]
+    return [r for r in rows if r.ferry is not None]
+
+
+def _factor_leaves(data, path: str = "") -> list[tuple[str, float]]:
+    """Every number whose key names a speedup or ratio, with its dotted path."""
+    if isinstance(data, dict):
+        return [leaf for k, v in data.items() for leaf in _factor_leaves(v, f"{path}.{k}" if path else str(k))]
+    name = path.rsplit(".", 1)[-1].lower()
+    if isinstance(data, int | float) and not isinstance(data, bool) and ("speedup" in name or "ratio" in name):
+        return [(path, float(data))]
+    return []
+
+
+def generic_rows(suite: str, data: dict) -> list[Row]:
+    """For suites without their own reader: each speedup or ratio the JSON reports, as a factor."""
+    return [Row(suite, path, value, 1.0, "baseline", True) for path, value in _factor_leaves(data)]
+
+
+READERS = {"throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows}
+
+
+def rows_for(suite: str, data: dict) -> list[Row]:
+    reader = READERS.get(suite)
+    return reader(data) if reader else generic_rows(suite, data)
+
+
+def machine_label(data: dict) -> str:
+    """A short description of where a result was measured, from whichever fields the suite wrote."""
+    m = {**(data.get("env") or {}), **(data.get("machine") or {})}
+    parts = [
+        m.get("gpu") or m.get("device_name") or m.get("cpu") or m.get("machine") or m.get("platform"),
+        f"{m.get('cores') or m.get('cpus')} cores" if (m.get("cores") or m.get("cpus")) else None,
+        f"torch threads {m.get('torch_threads') or m.get('threads')}" if (m.get("torch_threads") or m.get("threads")) else None,
+        f"torch {m['torch']}" if m.get("torch") else None,
+        f"commit {m['commit']}" if m.get("commit") else None,
+        data.get("created") or data.get("time"),
+    ]
+    model = data.get("model") or _get(data, "workload", "model") or _get(data, "models", "target")
+    quick = data.get("quick") or _get(data, "settings", "quick")
+    parts += [f"model {str(model).removeprefix(str(REPO) + '/')}" if model else None, "quick run" if quick else None]
+    return ", ".join(str(p) for p in parts if p)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = [
+        "| suite | measure | Ferry | baseline | value | Ferry vs baseline |",
+        "|---|---|---:|---|---:|---:|",
+    ]
+    for suite, data in results.items():
+        for r in rows_for(suite, data):
+            factor = f"**{r.factor:.2f}×**" if r.factor is not None else "–"
+            base = "–" if r.baseline_name == "baseline" else _fmt(r.baseline)
+            ferry = _fmt(r.ferry) if r.baseline_name != "baseline" else "–"
+            lines.append(f"| {suite} | {r.metric} | {ferry} | {r.baseline_name} | {base} | {factor} |")
+    lines.append("")
+    lines.append("Each row sets Ferry (or the Ferry feature the suite measures) against the baseline run beside it; "
+                 "above 1× means Ferry is better (more tokens/s, or less time). Measured on:")
+    lines.append("")
+    lines += [f"- {suite}: {machine_label(data)}" for suite, data in results.items()]
+    return "\n".join(lines)
+
+
+def plot_links(plots_dir: Path = PLOTS_DIR, base: Path = REPO) -> str:
+    """The committed figures as README links, the throughput chart shown inline."""
+    paths = sorted(plots_dir.glob("*.png"))
+    if not paths:
+        return ""
+    links = " · ".join(f"[{p.stem}]({p.relative_to(base).as_posix()})" for p in paths)
+    inline = next((f"![throughput]({p.relative_to(base).as_posix()})\n\n" for p in paths if p.stem == "throughput"), "")
+    return f"{inline}Plots (`ferry bench --plots-only` redraws them): {links}. How to read them: [bench/README.md](bench/README.md)."
+
+
+def write_readme(section: str, readme: Path = README) -> None:
+    """Replace what lies between the markers (appending a Results section with them if absent)."""
+    text = readme.read_text()
+    block = f"{START}\n{section}\n{END}"
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n## Results\n\n" + block + "\n"
+    readme.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite README.md's results section")
+    args = parser.parse_args(argv)
+    results = latest_results()
+    if not results:
+        print("bench.report: no results in bench/results/ yet; run `ferry bench --suite throughput`", file=sys.stderr)
+        return 1
+    section = "\n\n".join(part for part in (table(results), plot_links()) if part)
+    print(section)
+    if args.write:
+        write_readme(section)
+        print(f"wrote {README.relative_to(REPO)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""bench.report and bench.plots on results in the shapes the suites write."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bench import report
+
+THROUGHPUT = {
+    "suite": "throughput",
+    "created": "20260101-000000",
+    "machine": {"cpu": "AMD EPYC", "cores": 2, "torch_threads": 1, "torch": "2.13.0+cpu", "commit": "abc1234"},
+    "workload": {"n": 8, "model": "m"},
+    "results": [
+        {"system": "ferry", "tokens_per_s": 90.0, "ttft_ms": {"p50": 500, "p90": 900, "p99": 1200},
+         "tbt_ms": {"p50": 80, "p90": 120, "p99": 300},
+         "kv": {"used_over_allocated_mean": 0.9, "peak_allocated_tokens": 3000, "pool_tokens": 20000}},
+        {"system": "hf-static8", "tokens_per_s": 45.0, "ttft_ms": {"p50": 700, "p90": 900, "p99": 1000},
+         "tbt_ms": {"p50": 90, "p90": 100, "p99": 130}},
+    ],
+}
+PREFIX = {
+    "benchmark": "prefix",
+    "settings": {"system_tokens": 1024},
+    "env": {"torch": "2.13.0+cpu", "threads": 1, "machine": "x86_64"},
+    "shared_prefix": {"on": {"p50_s": 2.0, "p99_s": 3.0}, "off": {"p50_s": 8.0, "p99_s": 9.0}},
+    "cold_start": {"restored": {"first_ttft_s": 0.5, "ttft_s": [0.5, 0.6]}, "cold": {"first_ttft_s": 5.0, "ttft_s": [5.0, 0.6]}},
+    "restore_vs_recompute": {"tokens": 1152, "gib": 0.05, "restore_s": 0.5, "recompute_s": 10.0},
+}
+SPECDEC = {
+    "machine": {"cpu": "x"},
+    "results": {"complete": {"batch1": {
+        "baseline": {"tokens_per_s": 50.0},
+        "ngram": {"tokens_per_s": 60.0, "speedup": 1.2},
+        "draft": {"tokens_per_s": 40.0, "speedup": 0.8},
+    }}},
+}
+KERNELS = {"machine": {"gpu": "H100"}, "decode": {"bandwidth_ratio": 0.8, "acceptance_rate": 0.7}, "note": "text"}
+
+
+def test_rows_are_factors_above_one_when_ferry_is_better():
+    rows = report.rows_for("throughput", THROUGHPUT) + report.rows_for("prefix", PREFIX)
+    assert [(r.baseline_name, round(r.factor, 2)) for r in rows] == [
+        ("hf-static8", 2.0), ("prefix cache off", 4.0), ("no snapshot", 10.0), ("recompute", 20.0),
+    ]
+
+
+def test_specdec_rows_set_each_proposer_against_no_speculation():
+    rows = report.rows_for("specdec", SPECDEC)
+    assert [(r.metric, r.factor) for r in rows] == [
+        ("output tok/s, ngram speculation, complete, batch 1", 1.2),
+        ("output tok/s, draft speculation, complete, batch 1", 0.8),
+    ]
+
+
+def test_suites_without_a_reader_show_their_speedups_and_ratios():
+    rows = report.rows_for("kernels", KERNELS)
+    assert [(r.metric, r.factor) for r in rows] == [("decode.bandwidth_ratio", 0.8)]
+
+
+def test_table_names_the_machine_of_every_suite():
+    text = report.table({"throughput": THROUGHPUT, "prefix": PREFIX})
+    assert "| throughput | output tok/s, 8 requests | 90 | hf-static8 | 45 | **2.00×** |" in text
+    assert "- throughput: AMD EPYC, 2 cores, torch threads 1, torch 2.13.0+cpu, commit abc1234" in text
+    assert "- prefix: x86_64, torch threads 1, torch 2.13.0+cpu" in text
+
+
+def test_write_readme_replaces_only_between_the_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nintro\n{report.START}\nold table\n{report.END}\n\n## After\nkept\n")
+    report.write_readme("new table", readme)
+    assert readme.read_text() == f"# Title\n\nintro\n{report.START}\nnew table\n{report.END}\n\n## After\nkept\n"
+    bare = tmp_path / "BARE.md"
+    bare.write_text("# Bare\n")
+    report.write_readme("t", bare)
+    assert bare.read_text() == f"# Bare\n\n## Results\n\n{report.START}\nt\n{report.END}\n"
+
+
+def test_latest_prefers_the_latest_file_then_the_newest(tmp_path):
+    for name, mtime in (("prefix-quick.json", 100), ("prefix.json", 200)):
+        (tmp_path / name).write_text(json.dumps(PREFIX))
+        os.utime(tmp_path / name, (mtime, mtime))
+    assert report.latest_path("prefix", tmp_path).name == "prefix.json"
+    (tmp_path / "prefix-latest.json").write_text("{}")
+    os.utime(tmp_path / "prefix-latest.json", (50, 50))
+    assert report.latest_path("prefix", tmp_path).name == "prefix-latest.json"
+    assert report.latest_path("queue", tmp_path) is None
+
+
+def test_render_all_draws_each_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.plots import render_all
+
+    paths = render_all({"throughput": THROUGHPUT, "prefix": PREFIX, "specdec": SPECDEC, "kernels": KERNELS}, tmp_path)
+    assert sorted(p.name for p in paths) == [
+        "kernels.png", "kv-memory.png", "latency-cdf.png", "prefix.png", "specdec.png", "throughput.png",
+    ]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
