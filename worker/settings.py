@@ -86,4 +86,16 @@ class WorkerSettings(BaseSettings):
             "snapshot_url": self.snapshot_url,
             "snapshot_max_bytes": self.snapshot_max_bytes,
             "snapshot_keep": self.snapshot_keep,
+            "speculative": self.speculative(),
         }
+
+    def speculative(self) -> dict | None:
+        """`Engine(speculative=...)` from FERRY_SPECULATIVE_*; None leaves speculation off."""
+        if not self.speculative_method:
+            return None
+        spec = {"method": self.speculative_method, "num_speculative_tokens": self.speculative_num_tokens}
+        if self.speculative_method == "ngram":
+            spec["prompt_lookup_max"] = self.speculative_ngram_max
+        else:
+            spec["draft_model"] = self.speculative_draft_model
+        return spec
