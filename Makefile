@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/ferry generate
+	$(BIN)/ferry up --demo
 
 test: setup
 	$(BIN)/ruff check worker api kernels bench infra tests
