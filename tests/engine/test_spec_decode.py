@@ -69,8 +69,9 @@ def test_speculative_config_takes_ngram_max():
 def test_prompt_lookup_continues_the_latest_longest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 7, 2, 3]
     assert prompt_lookup(tokens, 3, 1, 3) == [4, 5, 6]  # "2 3" last seen before "4 5 6"
-    assert prompt_lookup(tokens, 10, 1, 3) == [4, 5, 6, 7, 2, 3]  # runs up to the sequence's end
-    assert prompt_lookup([5, 6, 5, 6, 5], 4, 1, 4) == [6, 5]  # a cycle proposes itself
+    assert prompt_lookup(tokens, 8, 1, 3) == [4, 5, 6, 7, 2, 3, 4, 5]  # past the end: the period repeats
+    assert prompt_lookup([5, 6, 5, 6, 5], 5, 1, 4) == [6, 5, 6, 5, 6]
+    assert prompt_lookup([8, 8], 3, 1, 4) == [8, 8, 8]
     assert prompt_lookup([1, 2, 3, 4], 2, 1, 3) == []  # no suffix repeats
     assert prompt_lookup([1, 2, 8, 1, 3, 8], 2, 2, 3) == []  # "3 8" never seen; 1-grams not allowed
     assert prompt_lookup([7], 2, 1, 3) == []
@@ -406,19 +407,32 @@ def test_sampled_tokens_follow_the_target_distribution(sharp_pair, method, promp
     assert chi_square_p_value(counts, _exact_joint(target_dir, prompt, params, 3, n), n) > 1e-3
 
 
-def test_seeded_requests_reproduce_in_any_batch(sharp_pair):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_requests_give_the_non_speculative_tokens_in_any_batch(sharp_pair, method):
+    """Seeded rows are verified by coupling on the seed's own noise: the tokens are those of the
+    non-speculative engine, whatever the batch, the budget or the proposals did."""
     target_dir, draft_dir = sharp_pair
-    spec = {"method": "draft", "draft_model": draft_dir, "num_speculative_tokens": 3}
-    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        spec["draft_model"] = draft_dir
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True, repetition_penalty=0.7)
     other = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)
-    alone = _generate(Engine(target_dir, speculative=spec), [[5, 6, 7]], [seeded])[0]
-    batched = _generate(Engine(target_dir, speculative=spec), [[9, 9], [5, 6, 7], [4]], [other, seeded, other])[1]
-    assert alone == batched and len(alone) == 24
+    prompt = [285, 227, 10, 227, 285]
+    plain = _generate(Engine(target_dir), [prompt], [seeded])[0]
+    alone_engine = Engine(target_dir, speculative=spec)
+    alone = _generate(alone_engine, [prompt], [seeded])[0]
+    crowded = Engine(target_dir, speculative=spec, max_num_batched_tokens=6)
+    batched = _generate(crowded, [[9, 9], prompt, [4]], [other, seeded, other])[1]
+    assert alone == plain == batched and len(plain) == 24
+    assert alone_engine.stats().spec_decode.num_accepted_tokens > 0
 
 
 def test_abort_between_verifications_leaves_nothing_behind(target, greedy_reference):
+    """Aborts land while requests hold accepted runs, and (a 12-token budget leaves some out of
+    a step) draft lookahead slots for proposals that were never verified."""
     prompts, params, expected = greedy_reference
-    engine = Engine(target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4})
+    spec = {"method": "draft", "draft_model": target, "num_speculative_tokens": 4}
+    engine = Engine(target, speculative=spec, max_num_batched_tokens=12)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
     tokens = {f"r{i}": [] for i in range(len(prompts))}

@@ -284,8 +284,9 @@ class Engine:
             if request.spec.token_ids:
                 # Roll back over the rejected proposals: their KV is stale and will be overwritten.
                 request.num_computed_tokens -= len(request.spec.token_ids) - (len(tokens) - 1)
-                self.kv.trim(request)
                 self.spec.record(request, len(tokens) - 1)
+            if self.spec is not None:  # blocks of rejected positions, and of proposals never verified
+                self.kv.trim(request)
             outputs.append(self._append(request, tokens, result.logprobs.get(request.request_id), now))
         return outputs
 

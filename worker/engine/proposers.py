@@ -17,14 +17,17 @@ from transformers import AutoConfig, AutoTokenizer
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SeqChunk
 from worker.engine.request import Request
-from worker.engine.sampler import SamplingRow, adjust_logits, draw, sampling_probs
+from worker.engine.sampler import SamplingRow, adjust_logits, peek_noise, sampling_probs
 from worker.models.config import ModelArch
 from worker.models.loader import load_model, resolve_model_path
 
 
 def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n
-    tokens, trying n from max_n down to min_n; [] when no suffix occurs earlier."""
+    """The k tokens that followed the latest earlier occurrence of the sequence's last n tokens,
+    trying n from max_n down to min_n; [] when no suffix occurs earlier.
+
+    A continuation that runs into the sequence's end goes on copying from itself (as an LZ77
+    back-reference does): a match d tokens back means the text repeats with period d."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         # Every n-gram that starts before the suffix itself: [len - n, n].
@@ -32,7 +35,10 @@ def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
+            proposal = tokens[start : start + k].tolist()
+            while len(proposal) < k:
+                proposal.append(proposal[len(proposal) - (len(tokens) - start)])
+            return proposal
     return []
 
 
@@ -107,6 +113,11 @@ class DraftProposer:
                 counts.append(k)
         drafted: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
+        # Seeded requests race on the noise their verification will use (see spec_decode.verify).
+        noise = [
+            peek_noise(r, k, self.vocab_size) if r.generator is not None and not r.params.greedy else None
+            for r, k in zip(active, counts, strict=True)
+        ]
         for step in range(max(counts, default=0)):
             live = [i for i, k in enumerate(counts) if k > step]
             chunks = []
@@ -118,7 +129,8 @@ class DraftProposer:
                 else:
                     chunks.append(SeqChunk(drafted[i][-1:], request.num_tokens + step - 1, request.block_ids, 1))
             rows = [SamplingRow(active[i], list(drafted[i])) for i in live]
-            tokens, dists = self._pick(self.runner.forward(chunks), rows)
+            step_noise = [None if noise[i] is None else noise[i][step] for i in live]
+            tokens, dists = self._pick(self.runner.forward(chunks), rows, step_noise)
             for i, token, dist in zip(live, tokens, dists, strict=True):
                 drafted[i].append(token)
                 if dist is not None:
@@ -128,9 +140,13 @@ class DraftProposer:
             request.spec.draft_probs = torch.stack(dists) if dists else None
             request.spec.num_draft_computed = request.num_tokens + k - 1
 
-    def _pick(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """One proposal per row, under the request's own sampling transforms; with the
-        distribution it was drawn from (None for greedy rows: the verifier only compares argmaxes)."""
+    def _pick(
+        self, logits: torch.Tensor, rows: list[SamplingRow], noise: list[torch.Tensor | None]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One proposal per row, under the request's own sampling transforms, with the
+        distribution it was drawn from where the verifier needs it (rejection sampling: unseeded
+        random rows; greedy and seeded rows are verified by comparing tokens). noise: per row,
+        the [vocab] race noise of a seeded request's position, else None."""
         vocab = logits.shape[-1]
         # Checkpoints pad their embeddings differently: ids past the target's are never proposed.
         logits = logits[:, : self.vocab_size] if vocab >= self.vocab_size else F.pad(logits, (0, self.vocab_size - vocab), value=float("-inf"))
@@ -141,7 +157,13 @@ class DraftProposer:
         if random_rows:
             sub = [rows[i] for i in random_rows]
             q = sampling_probs(logits[random_rows], sub)
-            tokens[random_rows] = draw(q, sub)
+            # draw()'s exponential race, on fresh noise, or on a seeded request's peeked noise
+            # (which must not advance its generator: the verification draws the same vectors).
+            race = torch.empty_like(q).exponential_()
             for j, i in enumerate(random_rows):
-                dists[i] = q[j]
+                if noise[i] is None:
+                    dists[i] = q[j]
+                else:
+                    race[j] = noise[i]
+            tokens[random_rows] = (q / race).argmax(dim=-1)
         return tokens.tolist(), dists

@@ -119,6 +119,17 @@ def draw(probs: torch.Tensor, requests: Sequence[Row]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def peek_noise(request: Row, n: int, vocab: int) -> torch.Tensor:
+    """The noise draw() will use for a seeded request's next n tokens, without consuming it:
+    [n, vocab]. A draft that races its own distribution on the same noise agrees with the
+    target as often as the two distributions allow, and the target's tokens stay the ones the
+    seed gives without speculation."""
+    state = request.generator.get_state()
+    noise = torch.stack([torch.empty(vocab).exponential_(generator=request.generator) for _ in range(n)])
+    request.generator.set_state(state)
+    return noise
+
+
 def top_logprobs(raw_logits: torch.Tensor, row: int, token: int, n: int) -> PositionLogprobs:
     logprobs = raw_logits[row].log_softmax(dim=-1)
     result: PositionLogprobs = {}

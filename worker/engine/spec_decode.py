@@ -130,8 +130,17 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> VerifyOutput:
     Then P(accept x) = q(x) min(1, p(x)/q(x)) = min(p(x), q(x)), P(reject) = sum_y max(0, p(y) - q(y)),
     so P(reject, then x) = max(0, p(x) - q(x)) and P(emit x) = p(x): exactly the target's
     distribution (Leviathan et al.; Chen et al., 2023). For a point mass at d: accept with
-    probability p(d), else draw from p with d removed. Greedy requests are the limit: accept while d is the argmax, then emit the argmax,
-    which reproduces non-speculative greedy decoding token for token.
+    probability p(d), else draw from p with d removed. Greedy requests are the limit: accept
+    while d is the argmax, then emit the argmax, which reproduces non-speculative greedy decoding
+    token for token.
+
+    Seeded requests are verified by coupling instead: row i draws the target's token by the
+    sampler's own exponential race on the request's next noise vector, and proposal i+1 is
+    accepted if it is that token. Each emitted token is then exactly p's draw, and the
+    generator advances one vector per emitted token, as without speculation: a seed gives the
+    same tokens whether or not, and however much, the request speculated. (The draft proposed by
+    racing q on the same noise, `peek_noise`; an n-gram proposal is accepted with probability
+    p(d), as above.)
     """
     rows = [SamplingRow(r, r.spec.token_ids[:i]) for r in requests for i in range(len(r.spec.token_ids) + 1)]
     raw = logits.clone() if any(r.params.logprobs is not None for r in requests) else None
@@ -150,7 +159,8 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> VerifyOutput:
             tokens = _accept_greedy(request.spec.token_ids, argmax[first_greedy : first_greedy + k + 1])
             first_greedy += k + 1
         else:
-            tokens = _accept_sampled(request, rows[first : first + k + 1], probs[first_random : first_random + k + 1])
+            accept = _accept_sampled if request.generator is None else _accept_coupled
+            tokens = accept(request, rows[first : first + k + 1], probs[first_random : first_random + k + 1])
             first_random += k + 1
         n = request.params.logprobs
         out.token_ids.append(tokens)
@@ -170,6 +180,17 @@ def _accept_greedy(proposals: list[int], targets: list[int]) -> list[int]:
         if token != targets[i]:
             return proposals[:i] + [targets[i]]
     return proposals + [targets[len(proposals)]]
+
+
+def _accept_coupled(request: Request, rows: list[SamplingRow], p: torch.Tensor) -> list[int]:
+    """p: [k+1, vocab]. The target's own draw at each row, one noise vector each, until a proposal differs."""
+    proposals = request.spec.token_ids
+    tokens: list[int] = []
+    for i in range(len(proposals) + 1):
+        tokens.append(int(draw(p[i][None], rows[i : i + 1])[0]))
+        if i == len(proposals) or tokens[i] != proposals[i]:
+            break
+    return tokens
 
 
 def _accept_sampled(request: Request, rows: list[SamplingRow], p: torch.Tensor) -> list[int]:
