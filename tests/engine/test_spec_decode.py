@@ -18,6 +18,7 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.sampler import adjust_logits, sampling_probs
 from worker.engine.scheduler import Scheduler
 from worker.engine.spec_decode import verify
+from worker.engine.spec_governor import SpecGovernor
 
 # --- statistics ------------------------------------------------------------------------------------
 
@@ -195,7 +196,26 @@ def test_trim_returns_rejected_positions_blocks_to_the_front_of_the_queue():
     assert request.block_ids == [0, 1] and list(kv.free_queue)[0] == 2 and kv.num_free_blocks == 4
 
 
+def test_governor_speculates_where_measured_faster_and_probes_the_other_side():
+    governor = SpecGovernor(min_samples=2, probe_every=4)
+    for _ in range(2):
+        assert governor.choose(8)  # nothing measured: speculate first ...
+        governor.observe(8, True, 24, 0.1)  # 240 tokens/s
+    for _ in range(2):
+        assert not governor.choose(8)  # ... then measure without
+        governor.observe(8, False, 8, 0.02)  # 400 tokens/s: plain wins
+    assert [governor.choose(8) for _ in range(8)] == [False, False, False, True] * 2  # every 4th probes
+    assert governor.choose(2)  # another batch size is measured on its own
+    for _ in range(10):
+        governor.observe(8, True, 40, 0.05)  # speculation got faster (acceptance rose): 800 tokens/s
+    assert [governor.choose(8) for _ in range(4)] == [True, True, True, False]
+
+
 # --- the engine ------------------------------------------------------------------------------------
+
+# Tests that count proposals turn the timing governor off: on a busy CPU it may rightly decide
+# that tiny models decode faster without speculation.
+EVERY_STEP = {"measure_speedup": False}
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +245,9 @@ def sharp_pair(tiny_model_factory, tmp_path_factory):
 
 def _specs(target, small_draft) -> dict[str, dict]:
     return {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
-        "draft-rejected": {"method": "draft", "draft_model": small_draft, "num_speculative_tokens": 3},
-        "draft-accepted": {"method": "draft", "draft_model": target, "num_speculative_tokens": 4},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, **EVERY_STEP},
+        "draft-rejected": {"method": "draft", "draft_model": small_draft, "num_speculative_tokens": 3, **EVERY_STEP},
+        "draft-accepted": {"method": "draft", "draft_model": target, "num_speculative_tokens": 4, **EVERY_STEP},
     }
 
 
@@ -325,7 +345,7 @@ def _run_one(engine: Engine, request_id: str, prompt: list[int], params: Samplin
 def test_stop_conditions_cut_an_accepted_run(target):
     """With the target as its own draft nearly every proposal is accepted: stops fall inside runs."""
     base_engine = Engine(target)
-    spec_engine = Engine(target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4})
+    spec_engine = Engine(target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4, **EVERY_STEP})
     prompt = [5, 6, 7, 8, 9]
     base = _run_one(base_engine, "base", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     stop_token = base["tokens"][5]
@@ -346,7 +366,7 @@ def test_stop_conditions_cut_an_accepted_run(target):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert expected["reason"] == "stop" and expected["stop_reason"] == stop_text
     assert spec_engine.stats().spec_decode.acceptance_rate > 0.9
-    short = Engine(target, max_model_len=20, speculative={"method": "draft", "draft_model": target})
+    short = Engine(target, max_model_len=20, speculative={"method": "draft", "draft_model": target, **EVERY_STEP})
     result = _run_one(short, "m", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     assert result["tokens"] == base["tokens"][:15] and result["reason"] == "length"
     assert short.stats().spec_decode.num_accepted_tokens > 0
@@ -396,7 +416,7 @@ def test_sampled_tokens_follow_the_target_distribution(sharp_pair, method, promp
     """Token 1 comes from the prefill; tokens 2 and 3 from a verification of up to 2 proposals."""
     target_dir, draft_dir = sharp_pair
     n = 1500
-    spec = {"method": method, "num_speculative_tokens": 2}
+    spec = {"method": method, "num_speculative_tokens": 2, **EVERY_STEP}
     if method == "draft":
         spec["draft_model"] = draft_dir
     engine = Engine(target_dir, speculative=spec, max_num_seqs=256, max_num_batched_tokens=1024)
@@ -412,7 +432,7 @@ def test_seeded_requests_give_the_non_speculative_tokens_in_any_batch(sharp_pair
     """Seeded rows are verified by coupling on the seed's own noise: the tokens are those of the
     non-speculative engine, whatever the batch, the budget or the proposals did."""
     target_dir, draft_dir = sharp_pair
-    spec = {"method": method, "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": 3, **EVERY_STEP}
     if method == "draft":
         spec["draft_model"] = draft_dir
     seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True, repetition_penalty=0.7)
@@ -458,7 +478,7 @@ def test_abort_between_verifications_leaves_nothing_behind(target, greedy_refere
 
 def test_speculation_pauses_where_it_does_not_pay(target, small_draft):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    spec = {"method": "draft", "draft_model": small_draft, "num_speculative_tokens": 3}
+    spec = {"method": "draft", "draft_model": small_draft, "num_speculative_tokens": 3, **EVERY_STEP}
     eager = Engine(target, speculative={**spec, "min_acceptance_rate": 0.0})
     patient = Engine(target, speculative={**spec, "min_acceptance_rate": 0.5, "pause_steps": 10})
     assert _generate(eager, [[5, 6, 7]], [params]) == _generate(patient, [[5, 6, 7]], [params])

@@ -19,6 +19,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # no proposals while this many requests run (compute-bound steps)
     min_acceptance_rate: float = 0.2  # a request whose recent acceptance falls below this pauses proposing
     pause_steps: int = 16  # steps a request goes without proposals after poor acceptance
+    measure_speedup: bool = True  # propose only while measured decode steps run faster with proposals (spec_governor.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

@@ -271,6 +271,8 @@ class Engine:
         if sched.is_empty:
             return outputs
         result = self.runner.execute(sched)
+        if self.spec is not None:
+            self.spec.observe(sched.requests, result.sampled)
         return outputs + self._update(sched, result)
 
     def _update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:

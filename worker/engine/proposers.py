@@ -46,6 +46,8 @@ class NgramProposer:
     """Prompt lookup: text that repeats (code edits, quoting, summaries) proposes its own continuation.
     A proposal is deterministic given the tokens, so the verifier treats it as a point mass."""
 
+    catch_up_tokens = 0  # no model to feed
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
@@ -99,9 +101,11 @@ class DraftProposer:
         self.runner = ModelRunner(model, arch, num_blocks, kv.block_size, dtype, device)
         self.kv = kv
         self.vocab_size = vocab_size  # the target's: q must be over the same ids as p
+        self.catch_up_tokens = 0  # longest first-pass chunk of the last propose(): a whole prompt the first time
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> None:
+        self.catch_up_tokens = 0
         active, counts = [], []
         for request, k in zip(requests, num_tokens, strict=True):
             spec = request.spec
@@ -126,6 +130,7 @@ class DraftProposer:
                 if step == 0:
                     start = request.spec.num_draft_computed
                     chunks.append(SeqChunk(request.all_token_ids[start:], start, request.block_ids, 1))
+                    self.catch_up_tokens = max(self.catch_up_tokens, request.num_tokens - start)
                 else:
                     chunks.append(SeqChunk(drafted[i][-1:], request.num_tokens + step - 1, request.block_ids, 1))
             rows = [SamplingRow(active[i], list(drafted[i])) for i in live]

@@ -11,6 +11,7 @@ blocks that held only rejected positions).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -20,6 +21,7 @@ from worker.engine.config import SpeculativeConfig
 from worker.engine.outputs import PositionLogprobs
 from worker.engine.request import Request
 from worker.engine.sampler import SamplingRow, adjust_logits, draw, sampling_probs, top_logprobs
+from worker.engine.spec_governor import SpecGovernor
 
 _ACCEPTANCE_WEIGHT = 0.3  # weight of the newest verification in a request's running acceptance
 
@@ -47,6 +49,8 @@ class SpecDecodeStats:
 
 
 class Proposer(Protocol):
+    catch_up_tokens: int  # the most tokens one request fed the proposer's model this step before proposing
+
     def propose(self, requests: list[Request], num_tokens: list[int]) -> None:
         """Set up to num_tokens[i] proposals on requests[i].spec (token_ids, and draft_probs
         where they were drawn from a distribution)."""
@@ -60,15 +64,21 @@ class SpecDecoder:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.governor = SpecGovernor() if config.measure_speedup else None
+        self._step_start = 0.0  # perf_counter at this step's propose(): the governor times whole steps
+        self._batch_size = 0  # running requests when this step's proposals were decided
 
     def propose(self, running: list[Request]) -> None:
         """Proposals for this step, for every running request that decodes (all its known tokens
         but the last have KV) and whose speculation pays."""
+        self._step_start, self._batch_size = time.perf_counter(), len(running)
         for request in running:
             request.spec.clear()
         cfg = self.config
         # A large batch makes the step compute-bound: verifying k+1 tokens per request costs ~k+1 times.
         if cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size:
+            return
+        if self.governor is not None and not self.governor.choose(len(running)):
             return
         chosen, counts = [], []
         for request in running:
@@ -90,6 +100,16 @@ class SpecDecoder:
                 counts.append(k)
         if chosen:
             self.proposer.propose(chosen, counts)
+
+    def observe(self, requests: list[Request], sampled: dict[str, list[int]]) -> None:
+        """Time this step for the governor, if it only decoded (called before the engine applies it)."""
+        if self.governor is None or not all(r.num_tokens - r.num_computed_tokens == 1 for r in requests):
+            return  # a prefill chunk in the step would make both sides look slow
+        speculated = any(r.spec.token_ids for r in requests)
+        if speculated and self.proposer.catch_up_tokens > self.config.num_speculative_tokens + 1:
+            return  # the draft prefilled a prompt: a one-off cost, not the speed of speculation
+        tokens = sum(len(t) for t in sampled.values())
+        self.governor.observe(self._batch_size, speculated, tokens, time.perf_counter() - self._step_start)
 
     def record(self, request: Request, num_accepted: int) -> None:
         """Count one verification of `request.spec.token_ids` and update the request's acceptance."""

@@ -1,0 +1,57 @@
+"""Speculate only where it pays, measured: decode-step throughput with and without proposals.
+
+Whether verifying k+1 tokens per request, plus the proposer's own work, beats one token per
+request depends on the device, the two models, the batch size and the acceptance of the moment;
+no fixed threshold gets all of them right. So for each batch size (rounded to a power of two)
+the governor keeps a running mean of emitted tokens per second over decode-only steps that
+verified proposals and over those that did not (a few steps of each first), lets requests
+propose while that has been faster, and every `probe_every` steps measures the other side again.
+
+Only throughput changes with the decision: greedy tokens are the same either way, sampled ones
+follow the same distribution, and seeded ones are the same tokens (see spec_decode.verify).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _Side:
+    rate: float | None = None  # emitted tokens/s, running mean
+    samples: int = 0
+
+
+@dataclass(slots=True)
+class _Bucket:
+    speculating: _Side = field(default_factory=_Side)  # decode steps that verified proposals
+    plain: _Side = field(default_factory=_Side)  # decode steps that did not
+    decisions: int = 0  # steps decided once both sides were measured
+
+
+@dataclass(slots=True)
+class SpecGovernor:
+    min_samples: int = 3  # steps each side is measured before the faster one is chosen
+    probe_every: int = 16  # every this many decisions, measure the slower side again
+    weight: float = 0.3  # weight of the newest step in a running mean
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
+
+    def choose(self, batch_size: int) -> bool:
+        """Whether requests may propose in a step of `batch_size` running requests."""
+        bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
+        for side, speculate in ((bucket.speculating, True), (bucket.plain, False)):
+            if side.samples < self.min_samples:
+                return speculate
+        bucket.decisions += 1
+        faster = bucket.speculating.rate >= bucket.plain.rate
+        return faster != (bucket.decisions % self.probe_every == 0)
+
+    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """One decode-only step: `tokens` emitted in `seconds`, proposals verified or not."""
+        if seconds <= 0:
+            return
+        bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
+        side = bucket.speculating if speculated else bucket.plain
+        rate = tokens / seconds
+        side.rate = rate if side.rate is None else side.rate + self.weight * (rate - side.rate)
+        side.samples += 1
