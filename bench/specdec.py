@@ -1,0 +1,212 @@
+"""Speculative decoding: greedy output tokens/s with and without it, at batch 1 and batch 8.
+
+Workloads (greedy, EOS ignored, `--tokens` new tokens per request, default 256; prompts are
+passages of Python standard-library source, the same on every machine with this Python):
+  repeat    a passage, then "# The same code again:" and the passage's first line: a model that
+            copies repeats the passage, which n-gram prompt lookup predicts
+  complete  the passage alone, to be continued: only a model can predict that
+
+Systems, each a fresh Engine on the same model, same settings otherwise (speculation with its
+default adaptive pausing, as a user gets it):
+  baseline  no speculation
+  ngram     prompt lookup, k proposals (--k, default 4), n-grams up to 4 tokens
+  draft     the draft model proposes k tokens
+
+Reported per workload, batch size and system: output tokens/s over the whole run (prefill
+included), wall seconds, engine steps, the speedup over the baseline, whether the greedy tokens
+equal the baseline's (they must), verifications and proposed / accepted tokens, the acceptance
+rate (accepted / proposed) and the mean accepted length (tokens per verification: accepted
+proposals + the target's own). Each measurement is the best of --repeats runs after a warm-up.
+
+Models: --model (default models/demo) and --draft (default models/draft), the trained pair.
+Where they do not exist yet, random-weight stand-ins are made under .ferry/bench-models/ (a
+6-layer target and, as its draft, its own first layer): then the JSON says "weights": "random"
+and acceptance means little.
+
+    python -m bench.specdec                       # batch 1 and 8, 256 new tokens
+    python -m bench.specdec --quick               # 64 new tokens, one repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.common import write_result
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("baseline", "ngram", "draft")
+WORKLOADS = ("repeat", "complete")
+# Standard-library functions whose source makes the prompts (one per request at batch 8).
+SOURCES = (
+    "textwrap.dedent", "shlex.quote", "colorsys.rgb_to_hls", "heapq.nsmallest",
+    "base64.b64encode", "fnmatch.filter", "glob.glob", "string.capwords",
+)
+PASSAGE_TOKENS = 120  # a passage is cut at the last line that fits
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(REPO / "models" / "demo"))
+    p.add_argument("--draft", default=None, help="draft model directory (default: models/draft, beside --model's default)")
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 256; quick: 64)")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--k", type=int, default=4, help="proposals per step")
+    p.add_argument("--repeats", type=int, default=None, help="runs per measurement, the best counts (default 2; quick: 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared CPU, more threads thrash)")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    args.tokens = args.tokens or (64 if args.quick else 256)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    return args
+
+
+def resolve_models(model: str, draft: str | None) -> tuple[Path, Path, str]:
+    """(target, draft, "trained" | "random"): the given pair, or random stand-ins when absent."""
+    target = Path(model)
+    draft_dir = Path(draft) if draft else target.parent / "draft"
+    if (target / "config.json").is_file() and (draft_dir / "config.json").is_file():
+        return target, draft_dir, "trained"
+    print(f"bench.specdec: no model pair at {target} and {draft_dir}: using random-weight stand-ins", file=sys.stderr)
+    root = REPO / ".ferry" / "bench-models"
+    return *_random_pair(root / "specdec-target", root / "specdec-draft"), "random"
+
+
+def _random_pair(target: Path, draft: Path) -> tuple[Path, Path]:
+    if not (target / "config.json").is_file():
+        from worker.demo_model import make_demo_model
+
+        make_demo_model(target, hidden_size=192, num_layers=6)
+    if not (draft / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.model.layers = model.model.layers[:1]  # same embeddings and head, one layer
+        model.config.num_hidden_layers = 1
+        model.save_pretrained(draft)
+        AutoTokenizer.from_pretrained(target).save_pretrained(draft)
+    return target, draft
+
+
+def passages(tokenizer, n: int) -> list[str]:
+    """n passages of standard-library source, each cut at a line end within PASSAGE_TOKENS tokens."""
+    import importlib
+
+    out = []
+    for name in SOURCES[:n]:
+        module, attr = name.rsplit(".", 1)
+        lines = inspect.getsource(getattr(importlib.import_module(module), attr)).splitlines(keepends=True)
+        text = ""
+        for line in lines:
+            if len(tokenizer.encode(text + line)) > PASSAGE_TOKENS:
+                break
+            text += line
+        out.append(text)
+    return out
+
+
+def prompts_for(workload: str, texts: list[str]) -> list[str]:
+    if workload == "repeat":
+        return [f"{t}\n\n# The same code again:\n{t.splitlines()[0]}\n" for t in texts]
+    return texts
+
+
+def run_once(engine, prompts: list[str], tokens: int) -> dict:
+    from worker.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    before = engine.stats().spec_decode
+    run = time.monotonic_ns()  # request ids unique across runs on one engine
+    ids = [f"{run}-{i}" for i in range(len(prompts))]
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    start = time.perf_counter()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        steps += 1
+    wall = time.perf_counter() - start
+    generated = sum(len(v) for v in outputs.values())
+    result = {"tokens_per_s": generated / wall, "wall_s": wall, "steps": steps, "output_tokens": generated,
+              "token_ids": [outputs[rid] for rid in ids]}
+    after = engine.stats().spec_decode
+    if after is not None:
+        drafts = after.num_drafts - before.num_drafts
+        proposed = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        result |= {
+            "num_drafts": drafts,
+            "num_draft_tokens": proposed,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+        }
+    return result
+
+
+def engine_for(system: str, target: Path, draft: Path, k: int, max_len: int):
+    from worker.engine import Engine
+
+    spec = {
+        "baseline": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4},
+        "draft": {"method": "draft", "num_speculative_tokens": k, "draft_model": str(draft)},
+    }[system]
+    return Engine(str(target), speculative=spec, max_model_len=max_len, max_num_seqs=16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    target, draft, weights = resolve_models(args.model, args.draft)
+    batches = [int(b) for b in args.batches.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    texts = passages(tokenizer, max(batches))
+    max_len = PASSAGE_TOKENS + 64 + args.tokens
+    results: dict = {w: {f"batch{b}": {} for b in batches} for w in WORKLOADS}
+    for system in SYSTEMS:
+        engine = engine_for(system, target, draft, args.k, max_len)
+        run_once(engine, prompts_for("complete", texts[:1]), 8)  # warm-up
+        for workload in WORKLOADS:
+            for b in batches:
+                prompts = prompts_for(workload, texts[:b])
+                runs = [run_once(engine, prompts, args.tokens) for _ in range(args.repeats)]
+                best = max(runs, key=lambda r: r["tokens_per_s"])
+                results[workload][f"batch{b}"][system] = best
+                print(f"{workload:8s} batch {b}: {system:8s} {best['tokens_per_s']:7.1f} tok/s"
+                      + (f", acceptance {best['acceptance_rate']:.2f}, mean accepted length {best['mean_accepted_length']:.2f}"
+                         if "acceptance_rate" in best else ""), file=sys.stderr)
+        del engine
+    for workload in WORKLOADS:
+        for b in batches:
+            row = results[workload][f"batch{b}"]
+            base = row["baseline"]
+            for system in SYSTEMS[1:]:
+                row[system]["speedup"] = row[system]["tokens_per_s"] / base["tokens_per_s"]
+                row[system]["identical_to_baseline"] = row[system]["token_ids"] == base["token_ids"]
+            for system in SYSTEMS:
+                del row[system]["token_ids"]
+    report = {
+        "models": {"target": str(target), "draft": str(draft), "weights": weights},
+        "settings": {"new_tokens": args.tokens, "batches": batches, "k": args.k, "repeats": args.repeats,
+                     "passage_tokens": PASSAGE_TOKENS, "greedy": True, "quick": args.quick},
+        "results": results,
+    }
+    path = write_result("specdec", report)
+    print(json.dumps({w: {b: {s: round(r.get("speedup", 1.0), 2) for s, r in row.items()} for b, row in rows.items()}
+                      for w, rows in results.items()}, indent=1))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
