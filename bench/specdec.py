@@ -7,7 +7,8 @@ passages of Python standard-library source, the same on every machine with this 
   complete  the passage alone, to be continued: only a model can predict that
 
 Systems, each a fresh Engine on the same model, same settings otherwise (speculation with its
-default adaptive pausing, as a user gets it):
+defaults, as a user gets it: per-request pausing and the speedup governor; --every-step turns
+the governor off to show what speculation itself does):
   baseline  no speculation
   ngram     prompt lookup, k proposals (--k, default 4), n-grams up to 4 tokens
   draft     the draft model proposes k tokens
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +59,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--k", type=int, default=4, help="proposals per step")
     p.add_argument("--repeats", type=int, default=None, help="runs per measurement, the best counts (default 2; quick: 1)")
+    p.add_argument("--every-step", action="store_true", help="turn the speedup governor off: speculate whenever proposals exist")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared CPU, more threads thrash)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -150,7 +153,7 @@ def run_once(engine, prompts: list[str], tokens: int) -> dict:
     return result
 
 
-def engine_for(system: str, target: Path, draft: Path, k: int, max_len: int):
+def engine_for(system: str, target: Path, draft: Path, k: int, max_len: int, every_step: bool):
     from worker.engine import Engine
 
     spec = {
@@ -158,6 +161,8 @@ def engine_for(system: str, target: Path, draft: Path, k: int, max_len: int):
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4},
         "draft": {"method": "draft", "num_speculative_tokens": k, "draft_model": str(draft)},
     }[system]
+    if spec is not None and every_step:
+        spec["measure_speedup"] = False
     return Engine(str(target), speculative=spec, max_model_len=max_len, max_num_seqs=16)
 
 
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()  # the CPU may be shared: say how busy it was
     target, draft, weights = resolve_models(args.model, args.draft)
     batches = [int(b) for b in args.batches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = PASSAGE_TOKENS + 64 + args.tokens
     results: dict = {w: {f"batch{b}": {} for b in batches} for w in WORKLOADS}
     for system in SYSTEMS:
-        engine = engine_for(system, target, draft, args.k, max_len)
+        engine = engine_for(system, target, draft, args.k, max_len, args.every_step)
         run_once(engine, prompts_for("complete", texts[:1]), 8)  # warm-up
         for workload in WORKLOADS:
             for b in batches:
@@ -198,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "models": {"target": str(target), "draft": str(draft), "weights": weights},
         "settings": {"new_tokens": args.tokens, "batches": batches, "k": args.k, "repeats": args.repeats,
+                     "governor": not args.every_step, "threads": args.threads,
                      "passage_tokens": PASSAGE_TOKENS, "greedy": True, "quick": args.quick},
+        "conditions": {"load_average_before": load_before, "load_average_after": os.getloadavg()},
         "results": results,
     }
     path = write_result("specdec", report)
