@@ -68,10 +68,10 @@ def plot_throughput(data: dict, out_dir: Path) -> list[Path]:
     labels = [f"{r['system']}\n({at_once.get(r['system'], '≤' + str(workload.get('n', '?')))} at once)" for r in results]
     bars = ax.bar(labels, [r["tokens_per_s"] for r in results],
                   color=["tab:green" if r["system"] == "ferry" else "tab:gray" for r in results])
-    ax.bar_label(bars, fmt="%.0f")
+    ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"Throughput by batching strategy and concurrency: {workload.get('n')} requests, {workload.get('model', '')}",
-                 fontsize=9)
+    ax.set_title(f"Throughput by batching strategy and concurrency\n{workload.get('n')} requests, "
+                 f"model {Path(str(workload.get('model', '?'))).name}", fontsize=10)
     paths.append(_save(fig, out_dir / "throughput.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))

@@ -164,7 +164,12 @@ def machine_label(data: dict) -> str:
     ]
     model = data.get("model") or _get(data, "workload", "model") or _get(data, "models", "target")
     quick = data.get("quick") or _get(data, "settings", "quick")
-    parts += [f"model {str(model).removeprefix(str(REPO) + '/')}" if model else None, "quick run" if quick else None]
+    weights = _get(data, "models", "weights")
+    parts += [
+        f"model {str(model).removeprefix(str(REPO) + '/')}" if model else None,
+        f"{weights} weights" if weights else None,
+        "quick run" if quick else None,
+    ]
     return ", ".join(str(p) for p in parts if p)
 
 
