@@ -112,6 +112,10 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> Suite
     return SuiteRun(suite.name, "ok", seconds, "" if written else "wrote no JSON", written)
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
@@ -142,17 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         for name in bar:
             bar.set_postfix(suite=name)
             run = run_suite(SUITES[name], args, extra)
-            tqdm.write(f"[{run.suite}] {run.status} {run.detail} ({run.seconds:.0f} s)".replace("  ", " "), file=sys.stderr)
+            tqdm.write(f"[{run.suite}] {' '.join(filter(None, (run.status, run.detail)))} ({run.seconds:.0f} s)", file=sys.stderr)
             runs.append(run)
     for run in runs:
-        files = ", ".join(str(p.relative_to(REPO)) for p in run.files) or "-"
+        files = ", ".join(_shown(p) for p in run.files) or "-"
         print(f"{run.suite:<11} {run.status:<8} {run.seconds:>7.0f} s  {run.detail or files}")
     if not args.no_plots:
         from bench.plots import render_all
         from bench.report import latest_results
 
         for path in render_all(latest_results(), PLOTS_DIR):
-            print("plot:", path.relative_to(REPO))
+            print("plot:", _shown(path))
     if args.update_readme:
         from bench import report
 

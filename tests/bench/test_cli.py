@@ -30,3 +30,14 @@ def test_missing_module_and_unreachable_redis_are_skip_reasons(monkeypatch):
 def test_kernels_suite_is_skipped_without_cuda(capsys):
     assert cli.main(["--suite", "kernels", "--no-plots"]) == 0
     assert "kernels     skipped" in capsys.readouterr().out
+
+
+def test_a_suite_runs_in_its_own_process_and_its_json_becomes_latest(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "RESULTS_DIR", tmp_path)
+    out = tmp_path / "prefix-run.json"
+    argv = ["--suite", "prefix", "--quick", "--model", str(cli.REPO / "models" / "demo"), "--no-plots",
+            "--", "--restore-gib", "0.002", "--requests", "2", "--cold-requests", "1", "--threads", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert (tmp_path / "prefix-latest.json").read_bytes() == out.read_bytes()
+    summary = capsys.readouterr().out.splitlines()[0].split()
+    assert summary[:2] == ["prefix", "ok"] and summary[-1] == str(out)
