@@ -10,7 +10,9 @@ import statistics
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = ".ferry/models/demo"
+from worker.settings import SHIPPED_DEMO_MODEL
+
+DEFAULT_MODEL = SHIPPED_DEMO_MODEL
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
     "The worker pulls jobs from Redis",

@@ -11,6 +11,9 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The code model trained by models/train.py and shipped in the repository (models/README.md).
+SHIPPED_DEMO_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "demo")
+
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
@@ -21,7 +24,7 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = None  # default: hostname-pid
 
     # Model and engine
-    model: str = ".ferry/models/demo"  # local directory or a hub id already in the local cache
+    model: str = SHIPPED_DEMO_MODEL  # local directory or a hub id already in the local cache
     model_name: str | None = None  # served name; default: the model directory's name
     dtype: str = "float32"
     device: str | None = None  # default: cuda when available, else cpu

@@ -31,6 +31,7 @@ import httpx
 import redis
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from worker.settings import SHIPPED_DEMO_MODEL
 from worker.webhooks import new_secret
 
 DEMO_PROMPTS = [
@@ -45,7 +46,7 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    model: str = ".ferry/models/demo"
+    model: str = SHIPPED_DEMO_MODEL
     host: str = "127.0.0.1"  # the API's bind address under `ferry up` (local by default)
     port: int = 8000
     state_dir: str = ".ferry"  # where `up` keeps the generated webhook secret
