@@ -6,7 +6,7 @@ passages of Python standard-library source, the same on every machine with this 
             copies repeats the passage, which n-gram prompt lookup predicts
   complete  the passage alone, to be continued: only a model can predict that
 
-Systems, each a fresh Engine on the same model, same settings otherwise (speculation with its
+Systems, one Engine each on the same model, same settings otherwise (speculation with its
 defaults, as a user gets it: per-request pausing and the speedup governor; --every-step turns
 the governor off to show what speculation itself does):
   baseline  no speculation
@@ -17,7 +17,8 @@ Reported per workload, batch size and system: output tokens/s over the whole run
 included), wall seconds, engine steps, the speedup over the baseline, whether the greedy tokens
 equal the baseline's (they must), verifications and proposed / accepted tokens, the acceptance
 rate (accepted / proposed) and the mean accepted length (tokens per verification: accepted
-proposals + the target's own). Each measurement is the best of --repeats runs after a warm-up.
+proposals + the target's own). Each measurement is the best of --repeats runs after a warm-up;
+the systems take turns run by run, so that the load of a shared machine hits them alike.
 
 Models: --model (default models/demo) and --draft (default models/draft), the trained pair.
 Where they do not exist yet, random-weight stand-ins are made under .ferry/bench-models/ (a
@@ -178,20 +179,24 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = passages(tokenizer, max(batches))
     max_len = PASSAGE_TOKENS + 64 + args.tokens
-    results: dict = {w: {f"batch{b}": {} for b in batches} for w in WORKLOADS}
-    for system in SYSTEMS:
-        engine = engine_for(system, target, draft, args.k, max_len, args.every_step)
+    engines = {system: engine_for(system, target, draft, args.k, max_len, args.every_step) for system in SYSTEMS}
+    for engine in engines.values():
         run_once(engine, prompts_for("complete", texts[:1]), 8)  # warm-up
+    runs: dict[tuple[str, int, str], list[dict]] = {}
+    for _ in range(args.repeats):
         for workload in WORKLOADS:
             for b in batches:
                 prompts = prompts_for(workload, texts[:b])
-                runs = [run_once(engine, prompts, args.tokens) for _ in range(args.repeats)]
-                best = max(runs, key=lambda r: r["tokens_per_s"])
-                results[workload][f"batch{b}"][system] = best
-                print(f"{workload:8s} batch {b}: {system:8s} {best['tokens_per_s']:7.1f} tok/s"
-                      + (f", acceptance {best['acceptance_rate']:.2f}, mean accepted length {best['mean_accepted_length']:.2f}"
-                         if "acceptance_rate" in best else ""), file=sys.stderr)
-        del engine
+                # Systems take turns, so a change in the machine's load hits each of them alike.
+                for system in SYSTEMS:
+                    runs.setdefault((workload, b, system), []).append(run_once(engines[system], prompts, args.tokens))
+    results: dict = {w: {f"batch{b}": {} for b in batches} for w in WORKLOADS}
+    for (workload, b, system), tries in runs.items():
+        best = max(tries, key=lambda r: r["tokens_per_s"])
+        results[workload][f"batch{b}"][system] = best
+        print(f"{workload:8s} batch {b}: {system:8s} {best['tokens_per_s']:7.1f} tok/s"
+              + (f", acceptance {best['acceptance_rate']:.2f}, mean accepted length {best['mean_accepted_length']:.2f}"
+                 if "acceptance_rate" in best else ""), file=sys.stderr)
     for workload in WORKLOADS:
         for b in batches:
             row = results[workload][f"batch{b}"]

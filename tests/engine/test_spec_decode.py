@@ -197,14 +197,15 @@ def test_trim_returns_rejected_positions_blocks_to_the_front_of_the_queue():
 
 
 def test_governor_speculates_where_measured_faster_and_probes_the_other_side():
-    governor = SpecGovernor(min_samples=2, probe_every=4)
+    governor = SpecGovernor(min_samples=2, probe_every=4, max_probe_every=8)
     for _ in range(2):
         assert governor.choose(8)  # nothing measured: speculate first ...
         governor.observe(8, True, 24, 0.1)  # 240 tokens/s
     for _ in range(2):
         assert not governor.choose(8)  # ... then measure without
         governor.observe(8, False, 8, 0.02)  # 400 tokens/s: plain wins
-    assert [governor.choose(8) for _ in range(8)] == [False, False, False, True] * 2  # every 4th probes
+    # Probes of the slower side after 4 decisions, then 8, then (at most) 8 again.
+    assert [governor.choose(8) for _ in range(20)] == [False] * 3 + [True] + ([False] * 7 + [True]) * 2
     assert governor.choose(2)  # another batch size is measured on its own
     for _ in range(10):
         governor.observe(8, True, 40, 0.05)  # speculation got faster (acceptance rose): 800 tokens/s

@@ -5,7 +5,9 @@ request depends on the device, the two models, the batch size and the acceptance
 no fixed threshold gets all of them right. So for each batch size (rounded to a power of two)
 the governor keeps a running mean of emitted tokens per second over decode-only steps that
 verified proposals and over those that did not (a few steps of each first), lets requests
-propose while that has been faster, and every `probe_every` steps measures the other side again.
+propose while that has been faster, and now and then measures the slower side again: soon
+after a change, then at doubling intervals while it stays slower, so that probing a loss costs
+little and a change in load or acceptance still shows.
 
 Only throughput changes with the decision: greedy tokens are the same either way, sampled ones
 follow the same distribution, and seeded ones are the same tokens (see spec_decode.verify).
@@ -26,13 +28,16 @@ class _Side:
 class _Bucket:
     speculating: _Side = field(default_factory=_Side)  # decode steps that verified proposals
     plain: _Side = field(default_factory=_Side)  # decode steps that did not
-    decisions: int = 0  # steps decided once both sides were measured
+    faster: bool | None = None  # the side chosen since the last change (None: still measuring)
+    since_probe: int = 0  # decisions since the slower side was last measured
+    interval: int = 0  # decisions between probes: doubles while probes confirm the choice
 
 
 @dataclass(slots=True)
 class SpecGovernor:
     min_samples: int = 3  # steps each side is measured before the faster one is chosen
-    probe_every: int = 16  # every this many decisions, measure the slower side again
+    probe_every: int = 16  # decisions before the slower side is measured again, after a change ...
+    max_probe_every: int = 128  # ... doubling up to this while it stays slower (a probe can cost a few steps)
     weight: float = 0.3  # weight of the newest step in a running mean
     _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
 
@@ -42,9 +47,14 @@ class SpecGovernor:
         for side, speculate in ((bucket.speculating, True), (bucket.plain, False)):
             if side.samples < self.min_samples:
                 return speculate
-        bucket.decisions += 1
         faster = bucket.speculating.rate >= bucket.plain.rate
-        return faster != (bucket.decisions % self.probe_every == 0)
+        if faster != bucket.faster:
+            bucket.faster, bucket.interval, bucket.since_probe = faster, self.probe_every, 0
+        bucket.since_probe += 1
+        if bucket.since_probe < bucket.interval:
+            return faster
+        bucket.since_probe, bucket.interval = 0, min(2 * bucket.interval, self.max_probe_every)
+        return not faster
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, proposals verified or not."""
