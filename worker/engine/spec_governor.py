@@ -3,11 +3,11 @@
 Whether verifying k+1 tokens per request, plus the proposer's own work, beats one token per
 request depends on the device, the two models, the batch size and the acceptance of the moment;
 no fixed threshold gets all of them right. So for each batch size (rounded to a power of two)
-the governor keeps a running mean of emitted tokens per second over decode-only steps that
-verified proposals and over those that did not (a few steps of each first), lets requests
-propose while that has been faster, and now and then measures the slower side again: soon
-after a change, then at doubling intervals while it stays slower, so that probing a loss costs
-little and a change in load or acceptance still shows.
+the governor keeps the emitted tokens per second of recent decode-only steps that verified
+proposals and of recent ones that did not, measures a few of each first, then lets requests
+propose while the median of the first has been the higher, and now and then measures the
+slower side again: soon after a change, then at doubling intervals while it stays slower, so
+that probing a loss costs little and a change in load or acceptance still shows.
 
 Only throughput changes with the decision: greedy tokens are the same either way, sampled ones
 follow the same distribution, and seeded ones are the same tokens (see spec_decode.verify).
@@ -15,13 +15,22 @@ follow the same distribution, and seeded ones are the same tokens (see spec_deco
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+
+_RECENT = 8  # steps per side whose median is the side's speed
 
 
 @dataclass(slots=True)
 class _Side:
-    rate: float | None = None  # emitted tokens/s, running mean
-    samples: int = 0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))  # emitted tokens/s of recent steps
+    samples: int = 0  # steps measured in all
+
+    @property
+    def rate(self) -> float:
+        """The median of the recent steps: one step stalled by another process moves it little."""
+        return statistics.median(self.recent)
 
 
 @dataclass(slots=True)
@@ -38,7 +47,6 @@ class SpecGovernor:
     min_samples: int = 3  # steps each side is measured before the faster one is chosen
     probe_every: int = 16  # decisions before the slower side is measured again, after a change ...
     max_probe_every: int = 128  # ... doubling up to this while it stays slower (a probe can cost a few steps)
-    weight: float = 0.3  # weight of the newest step in a running mean
     _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
 
     def choose(self, batch_size: int) -> bool:
@@ -62,6 +70,5 @@ class SpecGovernor:
             return
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
         side = bucket.speculating if speculated else bucket.plain
-        rate = tokens / seconds
-        side.rate = rate if side.rate is None else side.rate + self.weight * (rate - side.rate)
+        side.recent.append(tokens / seconds)
         side.samples += 1
