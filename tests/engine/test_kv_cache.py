@@ -85,6 +85,7 @@ def test_freed_blocks_stay_cached_and_evict_in_lru_order():
     kv = KVCacheManager(num_blocks=6, block_size=4)
     a = make_request("a", 9, first_token=0)  # full blocks 0, 1 cached; block 2 partial
     kv.allocate(a, 9, kv.lookup_prefix(a))
+    a.num_computed_tokens = 9
     kv.free(a)
     # Uncached partial block 2 is reused first; cached chain tail (1) goes before its head (0).
     assert list(kv.free_queue)[:1] == [2]
@@ -110,6 +111,7 @@ def test_hit_on_a_free_cached_block_reclaims_it():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     a = make_request("a", 9)
     kv.allocate(a, 9, kv.lookup_prefix(a))
+    a.num_computed_tokens = 9
     kv.free(a)
     b = make_request("b", 9)
     hit = kv.lookup_prefix(b)
@@ -136,4 +138,16 @@ def test_disabled_prefix_caching_never_hits():
     a = make_request("a", 9)
     kv.allocate(a, 9, kv.lookup_prefix(a))
     assert kv.cached == {}
+    assert kv.lookup_prefix(make_request("b", 9)).block_ids == []
+
+
+def test_blocks_registered_for_uncomputed_tokens_leave_the_cache_on_free():
+    """A request preempted in the same schedule() call that allocated it never computed those
+    blocks' KV: they must not stay behind as prefix-cache hits."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", 9)
+    kv.allocate(a, 9, kv.lookup_prefix(a))  # registers blocks 0 and 1 for tokens this step would compute
+    assert set(kv.cached.values()) == {0, 1}
+    kv.free(a)  # preempted before the step ran: num_computed_tokens is still 0
+    assert kv.cached == {} and kv.num_free_blocks == 8
     assert kv.lookup_prefix(make_request("b", 9)).block_ids == []

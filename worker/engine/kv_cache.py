@@ -151,6 +151,15 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (finished, aborted or preempted)."""
+        # Blocks registered for tokens not computed yet (a request preempted inside the very
+        # schedule() call that allocated them) hold no KV: they leave the cache before release.
+        first_uncomputed = request.num_computed_tokens // self.block_size
+        for i in range(first_uncomputed, min(request.num_registered_blocks, len(request.block_ids))):
+            block = request.block_ids[i]
+            meta = self.block_meta[block]
+            if meta is not None and self.ref_counts[block] == 1 and meta.key == request.block_keys[i]:
+                del self.cached[meta.key]
+                self.block_meta[block] = None
         self._release(request.block_ids)
         request.block_ids.clear()
         request.num_registered_blocks = 0
