@@ -9,18 +9,18 @@ import functools
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from worker.demo_model import byte_level_bpe
 
 CORPUS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -29,11 +29,6 @@ CORPUS = [
     "Grüße aus Zürich — naïve café, 東京, 🚀 emoji and other multi-byte characters.",
     "import os\nimport sys\n\nclass Engine:\n    def step(self):\n        return []\n",
 ]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
@@ -43,20 +38,8 @@ ARCHITECTURES = {
 
 
 @functools.cache
-def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+def _tokenizer(vocab_size: int):
+    return byte_level_bpe(CORPUS * 4, vocab_size)
 
 
 def make_model(

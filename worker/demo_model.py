@@ -23,11 +23,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_demo_model(directory: Path, *, vocab_size: int = 512, hidden_size: int = 128, num_layers: int = 2) -> Path:
-    """Write the checkpoint to `directory` (created) and return it."""
-    import torch
+def byte_level_bpe(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on `texts`, with <s>, </s>, <unk> and the chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -38,9 +37,18 @@ def make_demo_model(directory: Path, *, vocab_size: int = 512, hidden_size: int 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(CORPUS * 4, trainer)
+    bpe.train_from_iterator(texts, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_demo_model(directory: Path, *, vocab_size: int = 512, hidden_size: int = 128, num_layers: int = 2) -> Path:
+    """Write the checkpoint to `directory` (created) and return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_level_bpe(CORPUS * 4, vocab_size)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
