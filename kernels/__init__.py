@@ -1,7 +1,9 @@
 """Kernel dispatch: the engine calls only these functions.
 
-Triton kernels run on CUDA tensors, the PyTorch reference on everything else.
-`FERRY_ATTENTION_BACKEND=triton|torch` overrides the choice (triton on CPU tensors needs
+Triton kernels run on CUDA tensors. On everything else the backend is `cpu`: attention for
+short query runs (decode, verification) in native code compiled on first use
+(`kernels/cpu_native.py`), everything else the PyTorch reference. `torch` is the pure reference.
+`FERRY_ATTENTION_BACKEND=triton|cpu|torch` overrides the choice (triton on CPU tensors needs
 `TRITON_INTERPRET=1`, which is how the kernel tests run here).
 """
 
@@ -16,7 +18,7 @@ from kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "backend_for", "paged_attention", "rms_norm", "rotary", "write_kv"]
 
-_BACKENDS = ("triton", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 
 
 def backend_for(tensor: torch.Tensor) -> str:
@@ -26,7 +28,7 @@ def backend_for(tensor: torch.Tensor) -> str:
         if forced not in _BACKENDS:
             raise ValueError(f"FERRY_ATTENTION_BACKEND must be one of {_BACKENDS}, got {forced!r}")
         return forced
-    return "triton" if tensor.is_cuda else "torch"
+    return "triton" if tensor.is_cuda else "cpu"
 
 
 def _triton():
@@ -37,8 +39,13 @@ def _triton():
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
-    if backend_for(q) == "triton":
+    backend = backend_for(q)
+    if backend == "triton":
         return _triton().paged_attention(q, k_cache, v_cache, meta, scale, out)
+    if backend == "cpu":
+        from kernels import cpu_native
+
+        return cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
 
 

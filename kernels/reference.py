@@ -70,8 +70,10 @@ def _tile_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (block_ids.to(torch.int64)[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
 
 
-def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _CpuPlan:
-    cached = meta.backend_cache.get("torch")
+def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int) -> _CpuPlan:
+    """Gather plan for the sequences whose query run is at least min_query_len tokens long."""
+    cache_key = f"torch:{min_query_len}"
+    cached = meta.backend_cache.get(cache_key)
     if isinstance(cached, _CpuPlan):
         return cached
     bs = meta.block_size
@@ -79,7 +81,7 @@ def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _CpuPlan:
     starts = [0]
     for q in meta.query_lens_host:
         starts.append(starts[-1] + q)
-    decode_seqs = [i for i, q in enumerate(meta.query_lens_host) if q == 1]
+    decode_seqs = [i for i, q in enumerate(meta.query_lens_host) if q == 1 and q >= min_query_len]
     decode_seqs.sort(key=lambda i: meta.seq_lens_host[i])
     buckets: list[list[int]] = []
     for i in decode_seqs:
@@ -105,13 +107,13 @@ def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _CpuPlan:
         )
     prefill = []
     for i, q in enumerate(meta.query_lens_host):
-        if q == 1:
+        if q == 1 or q < min_query_len:
             continue
         seq_len = meta.seq_lens_host[i]
         num_blocks = -(-seq_len // bs)
         prefill.append(_PrefillSeq(starts[i], q, seq_len, _tile_index(tables[i : i + 1, :num_blocks], num_kv_heads)))
     plan = _CpuPlan(decode, prefill)
-    meta.backend_cache["torch"] = plan
+    meta.backend_cache[cache_key] = plan
     return plan
 
 
@@ -148,12 +150,26 @@ def paged_attention(
     sequence) sees context positions 0 .. seq_len - query_len + r. Query head h reads KV head
     h // (num_heads // num_kv_heads), as in transformers' repeat_kv.
     """
+    return attend(q, k_cache, v_cache, meta, scale, out, min_query_len=1)
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None,
+    min_query_len: int,
+) -> torch.Tensor:
+    """`paged_attention` for only the sequences with at least min_query_len query tokens; the
+    rows of the others are left as they are in `out` (another backend computes them)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
-    plan = _plan(meta, num_kv_heads)
+    plan = _plan(meta, num_kv_heads, min_query_len)
     # Buffers live as long as the metadata's owner wants: the model runner passes one dict for
     # its lifetime, a bare call gets one for this step.
     workspace = meta.backend_cache.setdefault("workspace", {})

@@ -1,4 +1,5 @@
-"""The dispatch in `kernels/__init__.py` routes CPU tensors to Triton when asked to."""
+"""The dispatch in `kernels/__init__.py`: CPU tensors go to the `cpu` backend by default and to
+Triton or the pure reference when asked to."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_forced_backends(device, run):
 
 def test_default_and_invalid_backend(monkeypatch):
     monkeypatch.delenv("FERRY_ATTENTION_BACKEND", raising=False)
-    assert kernels.backend_for(torch.zeros(1)) == "torch"
+    assert kernels.backend_for(torch.zeros(1)) == "cpu"
     monkeypatch.setenv("FERRY_ATTENTION_BACKEND", "cuda")
     with pytest.raises(ValueError, match="FERRY_ATTENTION_BACKEND"):
         kernels.backend_for(torch.zeros(1))

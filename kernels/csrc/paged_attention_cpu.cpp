@@ -1,0 +1,268 @@
+// Paged attention for short query runs on the CPU: decode steps (one query token per sequence)
+// and speculative verification (k + 1 tokens), read straight from the block pool.
+//
+// Why native code: the PyTorch reference first gathers every sequence's KV tiles into a padded
+// contiguous buffer and then runs scaled_dot_product_attention over it, so each step moves the
+// whole context through memory three times (read, write, read) and pads it. Decode attention is
+// memory-bound (a few flops per byte), so reading the tiles once in place is what matters.
+//
+// Layouts (as kernels/reference.py documents them):
+//   q, out:            [num_tokens, num_heads, head_dim]
+//   k_cache, v_cache:  [num_blocks, num_kv_heads, block_size, head_dim]  (a (block, kv head) tile is contiguous)
+//   block_tables:      [num_seqs, max_blocks] int32
+//   seq_lens:          [num_seqs] int32       context length including this step's tokens
+//   query_start_loc:   [num_seqs + 1] int32   rows of q owned by each sequence
+//   seq_indices:       [n] int64              the sequences this call computes (the others are left alone)
+// Query row r of a sequence with query_len Q and context L sees positions 0 .. L - Q + r.
+// Query head h reads KV head h / (num_heads / num_kv_heads) (transformers' repeat_kv).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FERRY_AVX2 1
+#endif
+
+namespace {
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t dim) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+template <typename scalar_t>
+inline void axpy(float* acc, float p, const scalar_t* v, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+#ifdef FERRY_AVX2
+// exp on 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 minimax polynomial
+// (Cephes' expf coefficients), 2^n built in the exponent bits. About 1 ulp; inputs below
+// ln(FLT_MIN) give exactly 0 (softmax arguments here are <= 0, masked ones -inf).
+inline __m256 exp8(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3365447505f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lowest), _mm256_set1_ps(88.3762626647f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 split in two so the product is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  return _mm256_andnot_ps(underflow, y);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// One block for one query (float32, head_dim = 8 * CHUNKS): scores, online-softmax update, P V.
+// The query and the output accumulator live in registers across the block, and every token's
+// FMAs go to independent accumulators (a single accumulator chain would wait on FMA latency).
+// scores has room for block_size rounded up to 8.
+template <int CHUNKS>
+inline void block_update_avx2(const float* qi, const float* k_tile, const float* v_tile, int64_t visible,
+                              float* scores, float& row_max, float& row_sum, float* acc) {
+  constexpr int64_t head_dim = 8 * CHUNKS;
+  __m256 q[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) q[c] = _mm256_loadu_ps(qi + 8 * c);
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < visible; ++t) {
+    const float* k = k_tile + t * head_dim;
+    __m256 s0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
+    __m256 s1 = _mm256_setzero_ps();
+    for (int c = 1; c < CHUNKS; ++c) {
+      if (c % 2) s1 = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k + 8 * c), s1);
+      else s0 = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k + 8 * c), s0);
+    }
+    scores[t] = hsum8(_mm256_add_ps(s0, s1));
+    block_max = std::max(block_max, scores[t]);
+  }
+  const float new_max = std::max(row_max, block_max);
+  __m256 a[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  if (new_max > row_max) {
+    const float correction = std::exp(row_max - new_max);  // exp(-inf) = 0 on the first block
+    row_sum *= correction;
+    const __m256 scale = _mm256_set1_ps(correction);
+    for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_mul_ps(a[c], scale);
+    row_max = new_max;
+  }
+  const int64_t padded = (visible + 7) / 8 * 8;
+  for (int64_t t = visible; t < padded; ++t) scores[t] = -std::numeric_limits<float>::infinity();
+  const __m256 m = _mm256_set1_ps(new_max);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), m));
+    _mm256_storeu_ps(scores + t, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  row_sum += hsum8(sum);
+  for (int64_t t = 0; t < visible; ++t) {
+    const __m256 p = _mm256_set1_ps(scores[t]);
+    const float* v = v_tile + t * head_dim;
+    for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
+  }
+  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
+// The head dims the register-resident path covers; others take the portable loop.
+inline bool block_update_fast(const float* qi, const float* k_tile, const float* v_tile, int64_t visible,
+                              int64_t head_dim, float* scores, float& row_max, float& row_sum, float* acc) {
+  switch (head_dim) {
+    case 32: block_update_avx2<4>(qi, k_tile, v_tile, visible, scores, row_max, row_sum, acc); return true;
+    case 64: block_update_avx2<8>(qi, k_tile, v_tile, visible, scores, row_max, row_sum, acc); return true;
+    case 128: block_update_avx2<16>(qi, k_tile, v_tile, visible, scores, row_max, row_sum, acc); return true;
+    default: return false;
+  }
+}
+#endif
+
+template <typename scalar_t>
+void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+            const torch::Tensor& seq_indices, double scale, torch::Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_stride = block_tables.size(1);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t* seqs = seq_indices.data_ptr<int64_t>();
+  const int64_t num_work = seq_indices.size(0) * num_kv_heads;
+  const int64_t tile = block_size * head_dim;
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // One work item = one (sequence, KV head): its query heads share every K/V row it loads.
+  at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries, acc, row_max, row_sum, scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t seq = seqs[w / num_kv_heads], kv_head = w % num_kv_heads;
+      const int64_t first_row = starts[seq], query_len = starts[seq + 1] - first_row, context = lens[seq];
+      const int64_t num_queries = query_len * group;  // query i = (row i / group, head kv_head * group + i % group)
+      queries.resize(num_queries * head_dim);
+      acc.assign(num_queries * head_dim, 0.f);
+      row_max.assign(num_queries, neg_inf);
+      row_sum.assign(num_queries, 0.f);
+      scores.resize((block_size + 7) / 8 * 8);
+      for (int64_t i = 0; i < num_queries; ++i) {
+        const scalar_t* src = q_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) queries[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
+      }
+      const int64_t num_blocks = (context + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t block = tables[seq * table_stride + b];
+        const scalar_t* k_tile = k_ptr + (block * num_kv_heads + kv_head) * tile;
+        const scalar_t* v_tile = v_ptr + (block * num_kv_heads + kv_head) * tile;
+        const int64_t block_start = b * block_size;
+#ifdef FERRY_AVX2
+        if (b + 1 < num_blocks) {
+          // The next tiles are elsewhere in the pool (no stride for the hardware prefetcher to
+          // find): ask for them now, while this block computes.
+          const int64_t next = tables[seq * table_stride + b + 1];
+          const char* k_next = reinterpret_cast<const char*>(k_ptr + (next * num_kv_heads + kv_head) * tile);
+          const char* v_next = reinterpret_cast<const char*>(v_ptr + (next * num_kv_heads + kv_head) * tile);
+          for (int64_t off = 0; off < tile * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
+            _mm_prefetch(k_next + off, _MM_HINT_T0);
+            _mm_prefetch(v_next + off, _MM_HINT_T0);
+          }
+        }
+#endif
+        for (int64_t i = 0; i < num_queries; ++i) {
+          // Causal: this query sees context positions up to last_visible.
+          const int64_t last_visible = context - query_len + i / group;
+          const int64_t visible = std::min(block_size, last_visible - block_start + 1);
+          if (visible <= 0) continue;
+          const float* qi = queries.data() + i * head_dim;
+          float* acc_i = acc.data() + i * head_dim;
+#ifdef FERRY_AVX2
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            if (block_update_fast(qi, k_tile, v_tile, visible, head_dim, scores.data(), row_max[i], row_sum[i], acc_i))
+              continue;
+          }
+#endif
+          float block_max = neg_inf;
+          for (int64_t t = 0; t < visible; ++t) {
+            scores[t] = dot(qi, k_tile + t * head_dim, head_dim);
+            block_max = std::max(block_max, scores[t]);
+          }
+          // Online softmax: rescale what was accumulated when the running max grows.
+          const float new_max = std::max(row_max[i], block_max);
+          if (new_max > row_max[i]) {
+            const float correction = std::exp(row_max[i] - new_max);  // exp(-inf) = 0 on the first block
+            row_sum[i] *= correction;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc_i[d] *= correction;
+            row_max[i] = new_max;
+          }
+          for (int64_t t = 0; t < visible; ++t) {
+            const float p = std::exp(scores[t] - new_max);
+            row_sum[i] += p;
+            axpy(acc_i, p, v_tile + t * head_dim, head_dim);
+          }
+        }
+      }
+      for (int64_t i = 0; i < num_queries; ++i) {
+        scalar_t* dst = out_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+        const float inv = 1.f / row_sum[i];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                           const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices, double scale,
+                           torch::Tensor out) {
+  TORCH_CHECK(!q.is_cuda(), "paged_attention_short runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad q or cache shape");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q, out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0, "head dims or head counts mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32 && seq_indices.scalar_type() == torch::kInt64,
+              "metadata dtypes: int32 tables, lens and starts; int64 seq_indices");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_indices.is_contiguous(), "metadata must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_short", [&] {
+    attend<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_indices, scale, out);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: the worker's Redis thread keeps running while a step computes.
+  m.def("paged_attention_short", &paged_attention_short, "paged attention for short query runs (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+}
