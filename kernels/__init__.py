@@ -16,7 +16,16 @@ import torch
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "backend_for", "paged_attention", "rms_norm", "rotary", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "backend_for",
+    "paged_attention",
+    "rms_norm",
+    "rotary",
+    "rotary_and_write_kv",
+    "silu_and_mul",
+    "write_kv",
+]
 
 _BACKENDS = ("triton", "cpu", "torch")
 
@@ -43,9 +52,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     if backend == "triton":
         return _triton().paged_attention(q, k_cache, v_cache, meta, scale, out)
     if backend == "cpu":
-        from kernels import cpu_native
-
-        return cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, out)
+        return _cpu().paged_attention(q, k_cache, v_cache, meta, scale, out)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
 
 
@@ -55,10 +62,38 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _cpu():
+    from kernels import cpu_native
+
+    return cpu_native
+
+
 def rms_norm(x, weight, eps: float, residual=None):
-    if backend_for(x) == "triton":
+    """(normalised, residual_out). The cpu backend adds into `residual` in place: pass one that
+    is not read again (the decoder's residual stream)."""
+    backend = backend_for(x)
+    if backend == "triton":
         return _triton().rms_norm(x, weight, eps, residual)
+    if backend == "cpu":
+        return _cpu().rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping):
+    """Rotary on q and k, then k and v into the pool; returns the rotated q (the cpu backend
+    rotates q and k in place)."""
+    backend = backend_for(q)
+    if backend == "cpu":
+        return _cpu().rotary_and_write_kv(q, k, v, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping)
+    q, k = rotary(q, k, positions, cos_sin_cache, is_neox)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def silu_and_mul(gate_up):
+    if backend_for(gate_up) == "cpu":
+        return _cpu().silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)
 
 
 def rotary(q, k, positions, cos_sin_cache, is_neox: bool = True):

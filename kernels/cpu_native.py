@@ -1,11 +1,15 @@
-"""The CPU attention backend: native decode/verify attention straight from the block pool.
+"""The `cpu` backend: native kernels for what the PyTorch reference does slowly on a CPU.
 
-`csrc/paged_attention_cpu.cpp` is compiled once per machine with torch's C++ extension builder
-(g++ and ninja; about a minute) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`), then loaded in milliseconds. Sequences with a short query run
-(decode, speculative verification: at most `SHORT_QUERY_MAX` tokens) go through it; longer
-prefill chunks are compute-bound and stay on the reference's SDPA path. Where the extension
-cannot be built (no compiler), everything falls back to the PyTorch reference, with one warning.
+- attention for short query runs (decode, speculative verification: at most `SHORT_QUERY_MAX`
+  tokens per sequence), read straight from the block pool (`csrc/paged_attention_cpu.cpp`);
+  longer prefill chunks are compute-bound and stay on the reference's SDPA path;
+- RMSNorm with the residual add, rotary + KV write, silu * up: one pass each instead of 6-12
+  small ops (`csrc/fused_ops_cpu.cpp`), which at decode batch sizes is mostly dispatch overhead.
+
+The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja;
+about a minute) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`), then load in milliseconds. Where they cannot be built (no
+compiler), or for an input they do not cover, the PyTorch reference runs (one warning).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from kernels.metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 SHORT_QUERY_MAX = 16  # query tokens per sequence up to which the native kernel beats gather + SDPA
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+]
 # Instruction-set flags by what this CPU can run (torch's own dispatch level), not -march=native:
 # a shared extension cache must not hold code another machine cannot execute.
 _ISA_FLAGS = {
@@ -54,16 +60,16 @@ def load():
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
             isa = torch.backends.cpu.get_cpu_capability()
-            log.info("loading native CPU attention (%s; the first load on a machine compiles it: about a minute)", isa)
+            log.info("loading native CPU kernels (%s; the first load on a machine compiles it: about a minute)", isa)
             _module = cpp_extension.load(
-                name=f"ferry_paged_attention_cpu_{isa.lower()}",
-                sources=[str(_SOURCE)],
+                name=f"ferry_cpu_kernels_{isa.lower()}",
+                sources=[str(path) for path in _SOURCES],
                 extra_cflags=["-O3", "-fopenmp-simd", *_ISA_FLAGS.get(isa, [])],
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
             _failed = True
-            log.warning("native CPU attention unavailable (%s); using the PyTorch reference", exc)
+            log.warning("native CPU kernels unavailable (%s); using the PyTorch reference", exc)
     return _module
 
 
@@ -93,7 +99,8 @@ def paged_attention(
     module = load()
     if module is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
-    q = q.contiguous()
+    if not _heads_contiguous(q):
+        q = q.contiguous()
     if out is None or not out.is_contiguous():
         out = torch.empty_like(q)
     short, has_long = _short_sequences(meta)
@@ -106,9 +113,81 @@ def paged_attention(
     return out
 
 
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] whose rows may be strided (a view into a fused projection)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]; updated in place to x + residual
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rms_norm`, except that the residual stream is added into `residual` in place
+    (the caller passes a tensor it will not read again)."""
+    module = load()
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden) if x.dim() != 2 else x
+    native = (
+        module is not None
+        and weight.dtype == x.dtype
+        and rows.stride(-1) == 1
+        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()))
+    )
+    if not native:
+        return reference.rms_norm(x, weight, eps, residual)
+    residual_rows = None if residual is None else residual.view(-1, hidden)
+    out = module.rms_norm(rows, residual_rows, weight, eps).view(x.shape)
+    return out, (x if residual is None else residual)
+
+
+def rotary_and_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] float32
+    is_neox: bool,
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> torch.Tensor:
+    """Rotary on q and k, then k and v into the pool; returns the rotated q. The native path
+    rotates q and k in place (views into this layer's fresh qkv projection)."""
+    module = load()
+    native = (
+        module is not None
+        and is_neox
+        and _heads_contiguous(q)
+        and _heads_contiguous(k)
+        and _heads_contiguous(v)
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.stride(-1) == 1
+        and positions.dtype == torch.int64
+        and slot_mapping.dtype == torch.int64
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and q.dtype == k.dtype == v.dtype == k_cache.dtype
+    )
+    if not native:
+        q, k = reference.rotary(q, k, positions, cos_sin_cache, is_neox)
+        reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    module.rotary_write_kv(q, k, v, positions.contiguous(), cos_sin_cache, k_cache, v_cache, slot_mapping.contiguous())
+    return q
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]
+    module = load()
+    if module is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return reference.silu_and_mul(gate_up)
+    return module.silu_and_mul(gate_up)
+
+
 if __name__ == "__main__":  # `python -m kernels.cpu_native`: build now (make setup does), say what happened
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load()
     print(
-        f"native CPU attention: {'built, ' + module.__file__ if module else 'unavailable (the PyTorch reference runs)'}"
+        f"native CPU kernels: {'built, ' + module.__file__ if module else 'unavailable (the PyTorch reference runs)'}"
     )

@@ -235,3 +235,26 @@ def rotary(
         return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
 
     return apply(q), apply(k)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]
+    """The gated MLP's activation: silu(gate) * up, gate and up the two halves of the last dim."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary` on q and k, then `write_kv` of the rotated k and v; returns the rotated q."""
+    q, k = rotary(q, k, positions, cos_sin_cache, is_neox)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q

@@ -25,12 +25,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define FERRY_AVX2 1
-#endif
+#include "vec_avx2.h"
 
 namespace {
+
+#ifdef FERRY_AVX2
+using ferry::exp8;
+using ferry::hsum8;
+#endif
 
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t dim) {
@@ -47,37 +49,6 @@ inline void axpy(float* acc, float p, const scalar_t* v, int64_t dim) {
 }
 
 #ifdef FERRY_AVX2
-// exp on 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 minimax polynomial
-// (Cephes' expf coefficients), 2^n built in the exponent bits. About 1 ulp; inputs below
-// ln(FLT_MIN) give exactly 0 (softmax arguments here are <= 0, masked ones -inf).
-inline __m256 exp8(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.3365447505f);
-  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lowest), _mm256_set1_ps(88.3762626647f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, with ln2 split in two so the product is exact.
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
-  return _mm256_andnot_ps(underflow, y);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // One block for one query (float32, head_dim = 8 * CHUNKS): scores, online-softmax update, P V.
 // The query and the output accumulator live in registers across the block, and every token's
 // FMAs go to independent accumulators (a single accumulator chain would wait on FMA latency).
@@ -145,6 +116,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
             const torch::Tensor& seq_indices, double scale, torch::Tensor& out) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t q_row_stride = q.stride(0);  // q may be a row-strided view into the fused qkv output
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_stride = block_tables.size(1);
@@ -174,7 +146,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
       row_sum.assign(num_queries, 0.f);
       scores.resize((block_size + 7) / 8 * 8);
       for (int64_t i = 0; i < num_queries; ++i) {
-        const scalar_t* src = q_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+        const scalar_t* src = q_ptr + (first_row + i / group) * q_row_stride + (kv_head * group + i % group) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) queries[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
       const int64_t num_blocks = (context + block_size - 1) / block_size;
@@ -239,14 +211,19 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   });
 }
 
+}  // namespace
+
+namespace ferry {
+
 void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices, double scale,
                            torch::Tensor out) {
   TORCH_CHECK(!q.is_cuda(), "paged_attention_short runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad q or cache shape");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q, out and the caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous within a row");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "out and the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "q, out and the caches must share one dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0, "head dims or head counts mismatch");
@@ -259,10 +236,4 @@ void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache,
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released: the worker's Redis thread keeps running while a step computes.
-  m.def("paged_attention_short", &paged_attention_short, "paged attention for short query runs (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace ferry

@@ -91,3 +91,87 @@ def test_rejects_mismatched_dtypes():
         module.paged_attention_short(
             q.double(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, short, 0.1, q.double()
         )
+
+
+# --- fused elementwise ops -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(37, 200, generator=gen) * 3).to(dtype)
+    weight = torch.randn(200, generator=gen).to(dtype)
+    residual = torch.randn(37, 200, generator=gen).to(dtype) if with_residual else None
+    expected, expected_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    got, got_residual = cpu_native.rms_norm(x, weight, 1e-6, None if residual is None else residual.clone())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_residual, expected_residual, rtol=0, atol=0)
+
+
+def test_rms_norm_on_head_views():
+    # Qwen3's q/k norms: [tokens, heads, head_dim] views into the fused qkv projection.
+    gen = torch.Generator().manual_seed(12)
+    qkv = torch.randn(5, 4 * 16 + 2 * 2 * 16, generator=gen)
+    q = qkv[:, : 4 * 16].reshape(5, 4, 16)
+    weight = torch.randn(16, generator=gen)
+    got, _ = cpu_native.rms_norm(q, weight, 1e-6)
+    torch.testing.assert_close(got, reference.rms_norm(q, weight, 1e-6)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_write_kv_matches_reference(dtype):
+    from worker.models.config import RopeConfig, rope_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(13)
+    tokens, heads, kv_heads, head_dim, block_size = 9, 6, 2, 32, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 2, 7, 30, 31, 5, 6, 100])
+    slots = torch.tensor([0, 1, 2, 7, -1, 13, 21, 22, 30])  # one padding token (-1) is not cached
+    cos_sin = rope_cos_sin_cache(RopeConfig(theta=10000.0, kind="default"), head_dim, 128)
+
+    def split(t):
+        q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return (
+            q.reshape(tokens, heads, head_dim),
+            k.reshape(tokens, kv_heads, head_dim),
+            v.reshape(tokens, kv_heads, head_dim),
+        )
+
+    caches = [torch.zeros(8, kv_heads, block_size, head_dim, dtype=dtype) for _ in range(4)]
+    expected_q = reference.rotary_and_write_kv(
+        *split(qkv.clone()), positions, cos_sin, True, caches[0], caches[1], slots
+    )
+    got_q = cpu_native.rotary_and_write_kv(*split(qkv.clone()), positions, cos_sin, True, caches[2], caches[3], slots)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_q.float(), expected_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(caches[2].float(), caches[0].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)  # v is copied as is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(14)
+    gate_up = (torch.randn(19, 2 * 75, generator=gen) * 4).to(dtype)  # 75: a tail past the 8-wide loop
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        cpu_native.silu_and_mul(gate_up).float(), reference.silu_and_mul(gate_up).float(), rtol=tol, atol=tol
+    )
+
+
+def test_engine_greedy_same_with_cpu_and_torch_backends(llama_dir, monkeypatch):
+    """The whole model on the cpu backend gives the reference backend's greedy tokens."""
+    from worker.engine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(15)
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        monkeypatch.setenv("FERRY_ATTENTION_BACKEND", backend)
+        llm = LLM(str(llama_dir), max_model_len=128, kv_cache_bytes=1 << 20, max_num_batched_tokens=24)
+        prompts = [
+            torch.randint(3, len(llm.tokenizer), (n,), generator=gen.manual_seed(n)).tolist() for n in (1, 17, 40)
+        ]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["cpu"] == outputs["torch"]

@@ -50,8 +50,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = kernels.rms_norm(q, self.q_norm, self.eps)[0]
             k = kernels.rms_norm(k, self.k_norm, self.eps)[0]
-        q, k = kernels.rotary(q, k, positions, cos_sin, True)
-        kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        q = kernels.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -64,8 +63,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -98,9 +96,7 @@ class LlamaModel(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
-        self.register_buffer(
-            "cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False
-        )
+        self.register_buffer("cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -117,7 +113,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta)
+            x, residual = layer(
+                x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
+            )
         return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
