@@ -90,6 +90,23 @@ def plot_throughput(data: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / "latency-cdf.png"))
 
+    sweep = data.get("concurrency_sweep") or []
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        levels = [row["max_num_seqs"] for row in sweep]
+        ax.plot(levels, [row["tokens_per_s"] for row in sweep], "o-", color="tab:green", label="ferry (max_num_seqs)")
+        for r, at in (("hf-single", 1), ("hf-static8", 8), ("hf-cb", workload.get("n"))):
+            base = next((x for x in results if x["system"] == r), None)
+            if base is not None and at:
+                ax.plot([at], [base["tokens_per_s"]], "s", label=r)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests decoded at once")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title("Throughput vs concurrency (same workload prefix at each level)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "throughput-vs-concurrency.png"))
+
     kv = next((r.get("kv") for r in results if r["system"] == "ferry" and r.get("kv")), None)
     if kv:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -68,8 +68,29 @@ class SystemResult:
             "tokens_per_s": round(self.output_tokens / self.wall_s, 2),
             "ttft_ms": {k: v and round(v * 1e3, 1) for k, v in percentiles(self.ttft_s).items()},
             "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in percentiles(self.tbt_s).items()},
+            # Raw samples (seconds) for the CDF plots.
+            "ttft_s": [round(v, 4) for v in self.ttft_s],
+            "tbt_s": [round(v, 4) for v in self.tbt_s],
             **self.extra,
         }
+
+
+def run_sweep(model_dir, work: Workload, levels: list[int]) -> list[dict]:
+    """Ferry's throughput against how many requests run at once: at each level c, the first
+    max(4, 2c) requests of the workload with max_num_seqs = c (so every level is busy for a while)."""
+    rows = []
+    for c in levels:
+        n = min(len(work.prompts), max(4, 2 * c))
+        sub = Workload(work.prompts[:n], work.output_lens[:n])
+        with tqdm(total=sub.output_tokens, desc=f"ferry c={c}", unit="tok", file=sys.stderr) as bar:
+            result = run_ferry(model_dir, sub, c, bar)
+        tbt = percentiles(result.tbt_s)
+        rows.append({
+            "max_num_seqs": c, "requests": n, "output_tokens": result.output_tokens, "wall_s": round(result.wall_s, 3),
+            "tokens_per_s": round(result.output_tokens / result.wall_s, 2),
+            "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in tbt.items()},
+        })
+    return rows
 
 
 def run_ferry(model_dir, work: Workload, max_num_seqs: int, bar: tqdm) -> SystemResult:
@@ -196,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--sweep", default="1,4,16", help="extra Ferry runs at these max_num_seqs ('' to skip); "
+                        "the main run is the --max-num-seqs level")
     args = parser.parse_args(argv)
     if args.threads:
         import torch
@@ -221,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_hf_batches(model_dir, work, 8, bar))
             else:
                 results.append(run_hf_continuous(model_dir, work, bar))
+    sweep = []
+    if "ferry" in systems and args.sweep:
+        sweep = run_sweep(model_dir, work, [int(c) for c in args.sweep.split(",") if c])
+        main_ferry = next(r for r in results if r.system == "ferry")
+        tbt = percentiles(main_ferry.tbt_s)
+        sweep.append({
+            "max_num_seqs": args.max_num_seqs, "requests": len(work.prompts), "output_tokens": main_ferry.output_tokens,
+            "wall_s": round(main_ferry.wall_s, 3), "tokens_per_s": round(main_ferry.output_tokens / main_ferry.wall_s, 2),
+            "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in tbt.items()},
+        })
     summaries = [r.summary() for r in results]
     by_name = {s["system"]: s for s in summaries}
     ratios = {}
@@ -238,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": summaries,
             "ratios": ratios,
+            "concurrency_sweep": sweep,
         },
     )
     for s in summaries:

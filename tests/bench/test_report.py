@@ -21,6 +21,11 @@ THROUGHPUT = {
         {"system": "hf-static8", "tokens_per_s": 45.0, "ttft_ms": {"p50": 700, "p90": 900, "p99": 1000},
          "tbt_ms": {"p50": 90, "p90": 100, "p99": 130}},
     ],
+    "concurrency_sweep": [
+        {"max_num_seqs": 1, "tokens_per_s": 20.0},
+        {"max_num_seqs": 4, "tokens_per_s": 55.0},
+        {"max_num_seqs": 8, "tokens_per_s": 90.0},
+    ],
 }
 PREFIX = {
     "benchmark": "prefix",
@@ -96,6 +101,7 @@ def test_render_all_draws_each_figure(tmp_path):
 
     paths = render_all({"throughput": THROUGHPUT, "prefix": PREFIX, "specdec": SPECDEC, "kernels": KERNELS}, tmp_path)
     assert sorted(p.name for p in paths) == [
-        "kernels.png", "kv-memory.png", "latency-cdf.png", "prefix.png", "specdec.png", "throughput.png",
+        "kernels.png", "kv-memory.png", "latency-cdf.png", "prefix.png", "specdec.png", "throughput-vs-concurrency.png",
+        "throughput.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
