@@ -4,8 +4,9 @@ Only this thread touches the engine. Other threads talk to it through `start`, `
 `hand_back_all`, which only queue a command; the thread takes commands between steps and hands
 each step's writes to the publisher without waiting for Redis.
 
-A re-delivered job is admitted with prompt + the tokens already generated, and asks the engine
-only for the rest (`max_tokens`, `min_tokens` reduced by what exists). Its text is produced by a
+A re-delivered job is admitted with its prompt and the tokens already generated as the engine
+request's earlier output (`output_token_ids`), so max/min tokens, penalties and a seed continue
+where the first attempt stopped. Its text is produced by a
 detokenizer of its own that has replayed the earlier tokens, so a character or a stop string
 that straddles the hand-over comes out exactly as in an uninterrupted run.
 """
@@ -174,17 +175,17 @@ class JobRunner:
         if len(prompt_ids) >= self.engine.max_model_len:
             return [self._fail(job.job_id, ErrorCode.PROMPT_TOO_LONG,
                                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.engine.max_model_len}")]
-        kwargs = req.sampling_kwargs()
-        if resumed:
-            if len(resumed) >= req.max_tokens:
-                return [self._complete(run, "length", None, [])]
-            kwargs |= {"max_tokens": req.max_tokens - len(resumed), "min_tokens": max(0, req.min_tokens - len(resumed))}
+        if resumed and (len(resumed) >= req.max_tokens or len(prompt_ids) + len(resumed) >= self.engine.max_model_len):
+            return [self._complete(run, "length", None, [])]  # the earlier attempt had reached its end
         try:
-            params = SamplingParams(**kwargs)
+            params = SamplingParams(**req.sampling_kwargs())
         except (ValueError, TypeError) as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
         try:
-            self.engine.add_request(job.job_id, prompt_ids + resumed, params, priority=ENGINE_PRIORITY[req.priority])
+            # The engine counts the earlier tokens as this request's own output (max/min tokens,
+            # penalties, a seed's position), so the rest is what an uninterrupted run would give.
+            self.engine.add_request(job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority],
+                                    output_token_ids=resumed)
         except ValueError as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
         except Exception as exc:

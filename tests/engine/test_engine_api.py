@@ -70,6 +70,42 @@ def test_seeded_sampling_reproduces_in_any_batch(llm):
     assert batch[1].token_ids == alone
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True, presence_penalty=0.8,
+                       frequency_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=3, min_tokens=15, stop_token_ids=[5, 6, 7, 8]),
+    ],
+    ids=["seeded-penalties", "greedy-frequency", "seeded-min-tokens"],
+)
+def test_resumed_request_continues_as_the_uninterrupted_run(llm, params):
+    """A job picked up after its worker died: prompt + the tokens generated so far go in as
+    output_token_ids, and the rest comes out as if nothing had happened (seed, penalties,
+    max_tokens and min_tokens all count the earlier tokens)."""
+    prompt = [11, 12, 13, 14, 15]
+    full = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert len(full) >= 12
+    for cut in (1, 8, 12):
+        engine = llm.engine
+        engine.add_request(f"resume-{cut}", prompt, params, output_token_ids=full[:cut])
+        rest = []
+        while engine.has_unfinished_requests():
+            rest += [t for o in engine.step() for t in o.new_token_ids]
+        assert full[:cut] + rest == full, cut
+    assert llm.engine.kv_usage().num_used_blocks == 0
+
+
+def test_resumed_tokens_are_validated(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("r1", [1, 2], SamplingParams(max_tokens=3), output_token_ids=[4, 5, 6])
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request("r2", [1, 2], SamplingParams(max_tokens=3), output_token_ids=[-1])
+    assert not engine.has_unfinished_requests()
+
+
 def test_logprobs_per_generated_token(llm):
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.logprobs) == 5

@@ -19,6 +19,7 @@ from worker.engine.model_runner import ModelRunner, StepOutput
 from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from worker.engine.proposers import DraftProposer, NgramProposer, load_draft
 from worker.engine.request import Request
+from worker.engine.sampler import advance_generator
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.spec_decode import SpecDecoder, SpecDecodeStats
@@ -174,14 +175,31 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request. `priority`: lower is served first and preempted last."""
+        """Queue a request. `priority`: lower is served first and preempted last.
+
+        `output_token_ids`: tokens this request already generated elsewhere (a job resumed after
+        its worker died). They extend the context, count against max_tokens and min_tokens, feed
+        the presence/frequency penalties, and advance a seeded request's generator one vector
+        each, so the continuation is the one an uninterrupted run would have produced."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
+        resumed = list(output_token_ids or [])
+        if resumed:
+            if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in resumed):
+                raise ValueError(f"output_token_ids must be integers in [0, {self.arch.vocab_size})")
+            if len(resumed) >= params.max_tokens:
+                raise ValueError(f"{len(resumed)} output tokens already reach max_tokens={params.max_tokens}")
+            if len(token_ids) + len(resumed) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt ({len(token_ids)}) + generated ({len(resumed)}) tokens leave no room in "
+                    f"max_model_len={self.max_model_len}"
+                )
         request = Request(
             request_id=str(request_id),
             prompt_token_ids=token_ids,
@@ -193,10 +211,16 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             cache_extra=cache_extra(self.model_salt, params.cache_salt),
         )
+        if resumed:
+            request.output_token_ids = resumed
+            request.all_token_ids += resumed
+            if request.generator is not None:
+                advance_generator(request.generator, len(resumed), self.arch.vocab_size)
         self.scheduler.add(request)
         if self.tokenizer is not None:
+            # Text starts after the resumed tokens: they are context to this detokenizer.
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.stop_strings
+                self.tokenizer, token_ids + resumed, params.stop_strings
             )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:

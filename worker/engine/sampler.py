@@ -119,6 +119,13 @@ def draw(probs: torch.Tensor, requests: Sequence[Row]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def advance_generator(generator: torch.Generator, n: int, vocab: int) -> None:
+    """Consume the noise of n tokens, as draw() would have: a resumed seeded request continues
+    on the vectors its uninterrupted run would have used next."""
+    for _ in range(n):
+        torch.empty(vocab).exponential_(generator=generator)
+
+
 def peek_noise(request: Row, n: int, vocab: int) -> torch.Tensor:
     """The noise draw() will use for a seeded request's next n tokens, without consuming it:
     [n, vocab]. A draft that races its own distribution on the same noise agrees with the
