@@ -212,6 +212,20 @@ def test_governor_speculates_where_measured_faster_and_probes_the_other_side():
     assert [governor.choose(8) for _ in range(4)] == [True, True, True, False]
 
 
+def test_governor_measures_afresh_when_the_running_requests_turn_over():
+    governor = SpecGovernor(min_samples=2, probe_every=64, max_probe_every=128)
+    governor.note_running(["a", "b", "c", "d"])
+    for speculate, tokens in ((True, 8), (True, 8), (False, 8), (False, 8)):
+        assert governor.choose(4) is speculate
+        governor.observe(4, speculate, tokens, 0.1 if speculate else 0.02)  # plain is 5x faster
+    assert [governor.choose(4) for _ in range(10)] == [False] * 10  # the next probe is 64 decisions away
+    governor.note_running(["a", "b", "e", "f"])  # half still running: the same workload
+    assert not governor.choose(4) and governor.resets == 0
+    governor.note_running(["e", "f", "g", "h"])  # all new: their acceptance is unknown
+    assert governor.resets == 1
+    assert governor.choose(4)  # measuring again, speculation first
+
+
 # --- the engine ------------------------------------------------------------------------------------
 
 # Tests that count proposals turn the timing governor off: on a busy CPU it may rightly decide

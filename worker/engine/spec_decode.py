@@ -78,8 +78,10 @@ class SpecDecoder:
         # A large batch makes the step compute-bound: verifying k+1 tokens per request costs ~k+1 times.
         if cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size:
             return
-        if self.governor is not None and not self.governor.choose(len(running)):
-            return
+        if self.governor is not None:
+            self.governor.note_running([r.request_id for r in running])
+            if not self.governor.choose(len(running)):
+                return
         chosen, counts = [], []
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1:

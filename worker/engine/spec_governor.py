@@ -9,6 +9,11 @@ propose while the median of the first has been the higher, and now and then meas
 slower side again: soon after a change, then at doubling intervals while it stays slower, so
 that probing a loss costs little and a change in load or acceptance still shows.
 
+Measurements describe the requests they were taken on (their acceptance, their lengths), so
+when the running requests have turned over (fewer than half of them were running when the
+governor last started measuring) every bucket starts afresh: a server that moves from free text
+to code edits re-measures in a few steps instead of waiting out a long probe interval.
+
 Only throughput changes with the decision: greedy tokens are the same either way, sampled ones
 follow the same distribution, and seeded ones are the same tokens (see spec_decode.verify).
 """
@@ -48,6 +53,19 @@ class SpecGovernor:
     probe_every: int = 16  # decisions before the slower side is measured again, after a change ...
     max_probe_every: int = 128  # ... doubling up to this while it stays slower (a probe can cost a few steps)
     _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
+    _measured_on: frozenset[str] = frozenset()  # ids of the requests running when the measurements began
+    resets: int = 0  # times the measurements started afresh (for tests and stats)
+
+    def note_running(self, request_ids: list[str]) -> None:
+        """The requests running this step; starts afresh once most of them are new."""
+        current = frozenset(request_ids)
+        if not current:
+            return
+        if len(current & self._measured_on) * 2 < len(current):
+            if self._buckets:
+                self.resets += 1
+            self._buckets.clear()
+            self._measured_on = current
 
     def choose(self, batch_size: int) -> bool:
         """Whether requests may propose in a step of `batch_size` running requests."""
