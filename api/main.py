@@ -19,7 +19,7 @@ from api.routes import health, jobs, openai
 from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
-from worker.webhook_keys import WebhookKeys
+from worker.keys import Keys
 
 log = logging.getLogger("ferry.api")
 
@@ -69,7 +69,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.state.services = Services(
             settings=settings,
             redis=client,
-            keys=WebhookKeys(settings.key_prefix),
+            keys=Keys(settings.key_prefix),
             hub=hub,
             keyring=keyring,
             metrics=ApiMetrics(lambda: hub.num_followers),

@@ -12,6 +12,11 @@
 | `{p}:worker:{id}`                  | hash, EX         | worker          | heartbeat: `model`, `load`, `running`, `waiting`, `fingerprint`, `ts` |
 | `{p}:workers`                      | sorted set       | worker          | worker id -> unix time of its last heartbeat |
 | `{p}:models`                       | sorted set       | worker          | served model name -> unix time of its last heartbeat (`/v1/models`) |
+| `{p}:webhooks:watch`               | hash             | api, relay      | job id -> "<last event stream id> <registered unix ts>" for jobs with a webhook whose terminal event is not relayed yet |
+| `{p}:webhooks:sent:{job}:{event}`  | string NX EX     | relay           | an event was handed to Celery once (relay restarts never enqueue it twice) |
+| `{p}:webhooks:deliveries:{job}`    | hash, EX         | webhook worker  | event name -> JSON outcome (webhook id, outcome, status code, attempts) |
+| `{p}:webhooks`                     | Celery queue     | relay, Celery   | webhook delivery tasks |
+| `{p}:celery:*`                     | Celery's keys    | Celery          | broker keys (`global_keyprefix`) |
 
 Redis pub/sub channels and keys live in separate namespaces, so a job's hash and its channel share
 one name on purpose.
@@ -69,3 +74,33 @@ class Keys:
     @property
     def models(self) -> str:
         return f"{self.prefix}:models"
+
+    # --- webhook delivery ---------------------------------------------------------------------------
+
+    @property
+    def webhook_watch(self) -> str:
+        return f"{self.prefix}:webhooks:watch"
+
+    def webhook_sent(self, job_id: str, event: str) -> str:
+        return f"{self.prefix}:webhooks:sent:{job_id}:{event}"
+
+    def webhook_deliveries(self, job_id: str) -> str:
+        return f"{self.prefix}:webhooks:deliveries:{job_id}"
+
+    @property
+    def celery_prefix(self) -> str:
+        return f"{self.prefix}:celery:"
+
+    @property
+    def webhook_queue(self) -> str:
+        return f"{self.prefix}:webhooks"
+
+
+def watch_value(last_id: str, registered_at: float) -> str:
+    """A `webhook_watch` value: the last event stream id relayed, and when the job was registered."""
+    return f"{last_id} {registered_at:.3f}"
+
+
+def parse_watch_value(value: str) -> tuple[str, float]:
+    last_id, _, registered = value.partition(" ")
+    return last_id, float(registered or 0)

@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 
 import redis
 
+from worker.keys import Keys, parse_watch_value, watch_value
 from worker.protocol import TERMINAL_EVENT_TYPES, JobRecord, JobState, event_from_fields
-from worker.webhook_keys import WebhookKeys, parse_watch_value, watch_value
 from worker.webhooks import Attempt, Delivery, WebhookSettings, enqueue
 
 log = logging.getLogger("ferry.webhooks.relay")
@@ -69,7 +69,7 @@ class Relay:
     def __init__(self, settings: WebhookSettings, app=None, client: redis.Redis | None = None):
         self.settings = settings
         self.app = app
-        self.keys = WebhookKeys(settings.key_prefix)
+        self.keys = Keys(settings.key_prefix)
         self.redis = client or redis.Redis.from_url(settings.redis_url, decode_responses=True)
         self._last_gc = 0.0
 

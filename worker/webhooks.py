@@ -34,7 +34,7 @@ from celery import Celery
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.webhook_keys import WebhookKeys
+from worker.keys import Keys
 
 log = logging.getLogger("ferry.webhooks")
 
@@ -219,7 +219,7 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     `on_final(delivery, attempt, attempts)` is called once per delivery when it is settled
     (delivered, refused, rejected, gone, or out of attempts).
     """
-    keys = WebhookKeys(settings.key_prefix)
+    keys = Keys(settings.key_prefix)
     app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         # A retry waits in the worker as an ETA task; Redis re-delivers an unacked task after the
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app.worker_main([
             "worker", "--pool=threads", f"--concurrency={concurrency}", f"--loglevel={args.loglevel}",
-            "-Q", WebhookKeys(settings.key_prefix).webhook_queue, "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-Q", Keys(settings.key_prefix).webhook_queue, "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"ferry-webhooks-{os.getpid()}@{socket.gethostname()}",
         ])
     finally:
