@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 
@@ -364,15 +363,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# How long a thread may hold the GIL while another waits for it (CPython's default is 5 ms). The
-# engine thread is busy in Python between its kernels; at 5 ms, a job read off Redis or a step's
-# events could wait that long for the intake or publisher thread to run, which a client sees as
-# added TTFT. Short slices cost the engine little: its kernels release the GIL anyway.
-_GIL_SWITCH_INTERVAL_S = 0.0005
-
-
 def main(argv: list[str] | None = None) -> int:
-    sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     args = _parse(argv)
     settings = WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})
     worker = Worker(settings)
