@@ -19,6 +19,7 @@ from kernels.metadata import AttentionMetadata
 __all__ = [
     "AttentionMetadata",
     "backend_for",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary",
@@ -88,6 +89,14 @@ def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, is_neox, k_cache, v_c
     q, k = rotary(q, k, positions, cos_sin_cache, is_neox)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def linear(x, weight, bias=None):
+    """x @ weight^T (+ bias), nn.Linear's product; the cpu backend streams the weights itself for
+    decode-sized batches."""
+    if backend_for(x) == "cpu":
+        return _cpu().linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def silu_and_mul(gate_up):

@@ -4,7 +4,9 @@
   tokens per sequence), read straight from the block pool (`csrc/paged_attention_cpu.cpp`);
   longer prefill chunks are compute-bound and stay on the reference's SDPA path;
 - RMSNorm with the residual add, rotary + KV write, silu * up: one pass each instead of 6-12
-  small ops (`csrc/fused_ops_cpu.cpp`), which at decode batch sizes is mostly dispatch overhead.
+  small ops (`csrc/fused_ops_cpu.cpp`), which at decode batch sizes is mostly dispatch overhead;
+- the matrix products of decode-sized batches (up to `LINEAR_NATIVE_MAX_ROWS` rows), which are
+  bound by streaming the weights: read once, in place, on every core (`csrc/linear_cpu.cpp`).
 
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja;
 about a minute) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -21,6 +23,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 from kernels.metadata import AttentionMetadata
@@ -29,8 +32,11 @@ log = logging.getLogger(__name__)
 
 SHORT_QUERY_MAX = 16  # query tokens per sequence up to which the native kernel beats gather + SDPA
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "linear_cpu.cpp")
 ]
+# Rows of x up to which linear() streams the weights itself (decode batches); BLAS above.
+LINEAR_NATIVE_MAX_ROWS = 16
 # Instruction-set flags by what this CPU can run (torch's own dispatch level), not -march=native:
 # a shared extension cache must not hold code another machine cannot execute.
 _ISA_FLAGS = {
@@ -64,7 +70,10 @@ def load():
             _module = cpp_extension.load(
                 name=f"ferry_cpu_kernels_{isa.lower()}",
                 sources=[str(path) for path in _SOURCES],
-                extra_cflags=["-O3", "-fopenmp-simd", *_ISA_FLAGS.get(isa, [])],
+                # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled
+                # here; without it every kernel would run on one thread.
+                extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
@@ -176,6 +185,24 @@ def rotary_and_write_kv(
         return q
     module.rotary_write_kv(q, k, v, positions.contiguous(), cos_sin_cache, k_cache, v_cache, slot_mapping.contiguous())
     return q
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; for a few rows of float32 x (decode), a kernel that streams W once on every core."""
+    module = load()
+    if (
+        module is not None
+        and x.dim() == 2
+        and x.shape[0] <= LINEAR_NATIVE_MAX_ROWS
+        and x.dtype == weight.dtype == torch.float32
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and x.shape[1] % 8 == 0
+        and (bias is None or bias.dtype == torch.float32)
+        and module.linear_few_rows_supported()
+    ):
+        return module.linear_few_rows(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]

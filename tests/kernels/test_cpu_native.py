@@ -175,3 +175,25 @@ def test_engine_greedy_same_with_cpu_and_torch_backends(llama_dir, monkeypatch):
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cpu"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize(("n", "k", "with_bias"), [(576, 576, False), (130, 64, True), (3, 8, False)])
+def test_linear_few_rows_matches_f_linear(rows, n, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * n)
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    # Rows of x as a strided view (a slice of a wider activation), as the model passes them.
+    x = torch.randn(rows, k + 8, generator=gen)[:, :k]
+    got = cpu_native.linear(x, weight, bias)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_takes_blas_where_the_kernel_does_not_apply():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 12, generator=gen)  # K not a multiple of 8
+    x = torch.randn(2, 12, generator=gen)
+    torch.testing.assert_close(cpu_native.linear(x, weight), torch.nn.functional.linear(x, weight))
+    many = torch.randn(cpu_native.LINEAR_NATIVE_MAX_ROWS + 1, 16, generator=gen)
+    w16 = torch.randn(8, 16, generator=gen)
+    torch.testing.assert_close(cpu_native.linear(many, w16), torch.nn.functional.linear(many, w16))

@@ -8,12 +8,16 @@ checkpoint's separate tensors are copied into slices of them by `loader.py`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
 from kernels import AttentionMetadata
 from worker.models.config import ModelArch, rope_cos_sin_cache
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's product through the kernel dispatch (decode-sized batches have their own CPU kernel)."""
+    return kernels.linear(x, layer.weight, layer.bias)
 
 
 class Attention(nn.Module):
@@ -43,7 +47,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = _linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -52,7 +56,7 @@ class Attention(nn.Module):
             k = kernels.rms_norm(k, self.k_norm, self.eps)[0]
         q = kernels.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return _linear(self.o_proj, out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -63,7 +67,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return _linear(self.down_proj, kernels.silu_and_mul(_linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,4 +123,4 @@ class LlamaModel(nn.Module):
         return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return F.linear(hidden, self.lm_head_weight).float()
+        return kernels.linear(hidden, self.lm_head_weight).float()
