@@ -18,7 +18,7 @@ the learning rate anneals on whichever of the two is nearer to done, so a capped
 ends cooled down. On a machine that reaches the step budgets first, two runs give the same
 weights (same seed, one thread).
 
-    nice -n 10 .venv/bin/python models/train.py                      # the committed run
+    .venv/bin/python models/train.py                                 # the committed run
     .venv/bin/python models/train.py --demo-steps 20 --draft-steps 20 --out /tmp/m   # a smoke run
 """
 
@@ -259,8 +259,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: leave the other core to others)")
-    p.add_argument("--demo-steps", type=int, default=2000)
-    p.add_argument("--demo-minutes", type=float, default=33.0)
+    p.add_argument("--demo-steps", type=int, default=5000)
+    p.add_argument("--demo-minutes", type=float, default=44.0)
     p.add_argument("--draft-steps", type=int, default=800)
     p.add_argument("--draft-minutes", type=float, default=9.0)
     p.add_argument("--eval-every", type=int, default=25)
