@@ -95,10 +95,10 @@ def plot_throughput(data: dict, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         levels = [row["max_num_seqs"] for row in sweep]
         ax.plot(levels, [row["tokens_per_s"] for row in sweep], "o-", color="tab:green", label="ferry (max_num_seqs)")
-        for r, at in (("hf-single", 1), ("hf-static8", 8), ("hf-cb", workload.get("n"))):
+        for r, at, color in (("hf-single", 1, "tab:blue"), ("hf-static8", 8, "tab:orange"), ("hf-cb", workload.get("n"), "tab:red")):
             base = next((x for x in results if x["system"] == r), None)
             if base is not None and at:
-                ax.plot([at], [base["tokens_per_s"]], "s", label=r)
+                ax.plot([at], [base["tokens_per_s"]], "s", color=color, label=r)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests decoded at once")
         ax.set_ylabel("output tokens / s")
