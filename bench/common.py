@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -57,6 +58,15 @@ def write_result(suite: str, payload: dict, out_dir: Path | None = None) -> Path
     stamp = time.strftime("%Y%m%d-%H%M%S")
     payload = {"suite": suite, "created": stamp, "machine": machine(), **payload}
     path = out_dir / f"{suite}-{stamp}.json"
-    path.write_text(json.dumps(payload, indent=2))
-    (out_dir / f"{suite}-latest.json").write_text(json.dumps(payload, indent=2))
+    text = to_json(payload)
+    path.write_text(text)
+    (out_dir / f"{suite}-latest.json").write_text(text)
     return path
+
+
+_NUMBER_LIST = re.compile(r"\[\s*(-?[0-9][-0-9.eE+]*(?:,\s*-?[0-9][-0-9.eE+]*)*)\s*\]")
+
+
+def to_json(payload: dict) -> str:
+    """Indented JSON with lists of numbers (raw latency samples) on one line each."""
+    return _NUMBER_LIST.sub(lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", json.dumps(payload, indent=2))
