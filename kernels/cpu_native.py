@@ -187,11 +187,24 @@ def rotary_and_write_kv(
     return q
 
 
+_few_rows_kernel = None  # module.linear_few_rows once known to be built (asked once, not per call)
+
+
+def _linear_few_rows():
+    global _few_rows_kernel
+    if _few_rows_kernel is None:
+        module = load()
+        _few_rows_kernel = (
+            module.linear_few_rows if module is not None and module.linear_few_rows_supported() else False
+        )
+    return _few_rows_kernel
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; for a few rows of float32 x (decode), a kernel that streams W once on every core."""
-    module = load()
+    kernel = _linear_few_rows()
     if (
-        module is not None
+        kernel
         and x.dim() == 2
         and x.shape[0] <= LINEAR_NATIVE_MAX_ROWS
         and x.dtype == weight.dtype == torch.float32
@@ -199,9 +212,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.is_contiguous()
         and x.shape[1] % 8 == 0
         and (bias is None or bias.dtype == torch.float32)
-        and module.linear_few_rows_supported()
     ):
-        return module.linear_few_rows(x, weight, bias)
+        return kernel(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
