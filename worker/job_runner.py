@@ -4,6 +4,12 @@ Only this thread touches the engine. Other threads talk to it through `start`, `
 `hand_back_all`, which only queue a command; the thread takes commands between steps and hands
 each step's writes to the publisher without waiting for Redis.
 
+Arrivals: the intake `announce`s jobs it has read and is still preparing, then `start`s them in
+chunks. While announced jobs are on their way and the requests already here would not fill a
+step, the thread waits for them (briefly) rather than step half-empty; once a step is full it
+goes at once, and the rest are admitted during that step (a burst's first jobs do not wait for
+the whole burst to be prepared).
+
 A re-delivered job is admitted with its prompt and the tokens already generated as the engine
 request's earlier output (`output_token_ids`), so max/min tokens, penalties and a seed continue
 where the first attempt stopped. Its text is produced by a
@@ -44,6 +50,8 @@ from worker.publisher import JobWrite, end_write
 log = logging.getLogger("ferry.worker.runner")
 
 _STATS_INTERVAL_S = 0.25  # how often the engine's stats are copied out for /metrics and the heartbeat
+_ARRIVAL_WAIT_S = 0.02  # longest wait for announced jobs before stepping without them
+_IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its timers
 
 
 @dataclass(slots=True)
@@ -77,15 +85,28 @@ class JobRunner:
         self.stats = None  # latest EngineStats, replaced whole (read by other threads)
         self.stop = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._arriving = 0  # jobs announced by the intake and not yet started or settled
+        self._arriving_lock = threading.Lock()
         self._stats_at = 0.0
         self._snapshot_at = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- commands (any thread) -----------------------------------------------------------------
 
-    def start(self, jobs: list[JobStart]) -> None:
-        """Admit `jobs` together: jobs read in one batch share their first step."""
-        self._inbox.put(("start", jobs))
+    def announce(self, count: int) -> None:
+        """`count` jobs were read and are being prepared: each later `start(..., arrived=)` or
+        `settle` accounts for some of them."""
+        with self._arriving_lock:
+            self._arriving += count
+
+    def start(self, jobs: list[JobStart], arrived: int = 0) -> None:
+        """Admit `jobs` together (they share their first step); `arrived` announced jobs are now
+        accounted for (started here or settled otherwise)."""
+        self._inbox.put(("start", jobs, arrived))
+
+    def settle(self, arrived: int) -> None:
+        """`arrived` announced jobs will not come (the intake gave up on them)."""
+        self._inbox.put(("start", [], arrived))
 
     def abort(self, job_id: str, reason: str) -> None:
         """reason: "cancelled" (write the cancelled event) or "lost" (another worker has it: write nothing)."""
@@ -100,7 +121,8 @@ class JobRunner:
     def _loop(self) -> None:
         while not self.stop.is_set():
             writes: list[JobWrite] = []
-            self._take_commands(writes, block=not self.engine.has_unfinished_requests())
+            self._take_commands(writes, _IDLE_POLL_S if not self.engine.has_unfinished_requests() else None)
+            self._await_arrivals(writes)
             self._expire(writes)
             if self.engine.has_unfinished_requests():
                 writes += self._step()
@@ -125,16 +147,30 @@ class JobRunner:
         if info is not None:
             log.info("snapshot saved", extra={"blocks": info.blocks, "key": info.key})
 
-    def _take_commands(self, writes: list[JobWrite], block: bool) -> None:
+    def _await_arrivals(self, writes: list[JobWrite]) -> None:
+        """Announced jobs would join the next step: take them first, unless the step is full anyway."""
+        deadline = time.monotonic() + _ARRIVAL_WAIT_S
+        while self._arriving > 0 and not self.engine.next_step_is_full():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._take_commands(writes, remaining)
+
+    def _take_commands(self, writes: list[JobWrite], wait_s: float | None) -> None:
+        """Run every queued command; wait up to `wait_s` for the first (None: do not wait)."""
         try:
-            command = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=wait_s) if wait_s is not None else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             kind, *args = command
             if kind == "start":
-                for job in args[0]:
+                jobs, arrived = args
+                for job in jobs:
                     writes += self._admit(job)
+                if arrived:
+                    with self._arriving_lock:
+                        self._arriving -= arrived
             elif kind == "abort":
                 writes += self._abort(*args)
             else:

@@ -37,6 +37,7 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("ferry.worker")
 
+_START_CHUNK = 8  # jobs decided and started per round trip: a burst's first chunk can start stepping early
 _HAND_BACK_WAIT_S = 10.0  # how long a drain waits for hand-backs to reach Redis before leaving them to the reaper
 
 
@@ -222,8 +223,15 @@ class Worker:
             pass
 
     def _take_safely(self, deliveries: list[Delivery]) -> None:
+        """Start `deliveries` in chunks: the engine may begin a step with the first chunk while the
+        rest are prepared (it waits for them only while its next step is not full)."""
+        pending = len(deliveries)
+        self.runner.announce(pending)
         try:
-            self._backoff("start jobs", self.draining, self._take, deliveries)
+            for first in range(0, len(deliveries), _START_CHUNK):
+                chunk = deliveries[first:first + _START_CHUNK]
+                self._backoff("start jobs", self.draining, self._take, chunk)
+                pending -= len(chunk)
         except Stopped:
             raise
         except Exception:
@@ -231,11 +239,16 @@ class Worker:
             # name, so the reaper offers them again after the lease (counting attempts up to the DLQ).
             log.exception("could not take jobs", extra={"entries": [d.entry_id for d in deliveries]})
             self.draining.wait(1.0)
+        finally:
+            if pending:
+                self.runner.settle(pending)
 
     def _take(self, deliveries: list[Delivery]) -> None:
+        """Decide and start `deliveries`; ends by telling the engine they all arrived (started or settled)."""
         if self.draining.is_set():
             # Read after the drain began: give them straight back (another worker takes them now).
             self.publisher.write([JobWrite(d.fields["job_id"], d, hand_back=True) for d in deliveries if d.fields.get("job_id")])
+            self.runner.start([], arrived=len(deliveries))
             return
         fresh, duplicates = [], []
         for d in deliveries:
@@ -254,8 +267,7 @@ class Worker:
             log.info("job reclaimed" if job.delivery.reclaimed else "job picked",
                      extra={"job_id": job.job_id, "attempt": job.attempts, "priority": job.request.priority.value,
                             "resume_tokens": len(job.resume.token_ids)})
-        if starts:
-            self.runner.start(starts)
+        self.runner.start(starts, arrived=len(deliveries))
 
     def _renew(self) -> None:
         held = list(self.leases.items())

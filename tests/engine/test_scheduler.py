@@ -119,3 +119,21 @@ def test_admission_waits_at_the_head_of_line_when_the_pool_is_short():
     out = sched.schedule()
     # big needs 4 blocks, 1 is free: it waits, and lower-priority small does not jump the queue.
     assert [r.request_id for r in out.requests] == ["a"] and [r.request_id for r in sched.waiting] == ["big", "small"]
+
+
+def test_next_step_is_full_counts_prompt_tokens_decodes_and_the_sequence_cap():
+    sched = _scheduler(budget=8, max_num_seqs=3)
+    assert not sched.next_step_is_full()
+    a = make_request("a", 3)
+    sched.add(a)
+    assert not sched.next_step_is_full()  # 3 of 8 tokens: a later arrival could still join
+    out = sched.schedule()
+    _advance(sched, out)
+    sched.add(make_request("b", 6))
+    assert not sched.next_step_is_full()  # a's decode (1) + b's prompt (6) = 7 < 8
+    sched.add(make_request("c", 1))
+    assert sched.next_step_is_full()  # 8 tokens wanted, and 3 sequences = max_num_seqs
+    sched.finish(sched.requests["c"], "abort")
+    assert not sched.next_step_is_full()
+    sched.add(make_request("d", 2))
+    assert sched.next_step_is_full()  # 1 + 6 + 2 = 9 tokens (and 3 sequences again)

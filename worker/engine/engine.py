@@ -247,6 +247,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def next_step_is_full(self) -> bool:
+        """True when requests added now could not join the next step (see `Scheduler.next_step_is_full`)."""
+        return self.scheduler.next_step_is_full()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

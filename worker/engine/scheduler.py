@@ -75,6 +75,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def next_step_is_full(self) -> bool:
+        """Whether the requests already here would fill the next step (token budget or sequence
+        cap), so waiting for more arrivals could not add anything to it. Ignores prefix-cache
+        hits: it may say "not full" for a step that is, never the reverse."""
+        if len(self.requests) >= self.max_num_seqs:
+            return True
+        wanted = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
+        wanted += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return wanted >= self.max_num_batched_tokens
+
     # --- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
