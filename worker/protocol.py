@@ -403,19 +403,13 @@ class JobRecord(BaseModel):
 
     def to_redis(self) -> dict[str, str]:
         out: dict[str, str] = {}
-        # JSON fields straight from pydantic's serializer (a prompt of token ids is the bulk of an
-        # enqueue: dumping it to Python objects and then to JSON again doubled its cost).
-        for name, value in self.model_dump(mode="json", exclude_none=True, exclude=set(_JSON_FIELDS)).items():
-            if isinstance(value, bool):
+        for name, value in self.model_dump(mode="json", exclude_none=True).items():
+            if name in _JSON_FIELDS:
+                out[name] = _json(value)
+            elif isinstance(value, bool):
                 out[name] = "1" if value else "0"
             else:
                 out[name] = str(value)
-        for name in _JSON_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, BaseModel):
-                out[name] = value.model_dump_json(exclude_none=True)
-            elif value is not None:
-                out[name] = _json(value)
         return out
 
     @classmethod
