@@ -99,6 +99,11 @@ class JobRunner:
         with self._arriving_lock:
             self._arriving += count
 
+    @property
+    def arriving(self) -> int:
+        """Jobs announced and not yet started or settled (the worker is not idle while any are)."""
+        return self._arriving
+
     def start(self, jobs: list[JobStart], arrived: int = 0) -> None:
         """Admit `jobs` together (they share their first step); `arrived` announced jobs are now
         accounted for (started here or settled otherwise)."""

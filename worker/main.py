@@ -128,7 +128,7 @@ class Worker:
     def _wait_until_drain(self) -> None:
         idle_since = time.monotonic()
         while not self.draining.wait(0.1):
-            if self.leases or self.runner.runs:
+            if self.leases or self.runner.runs or self.runner.arriving:
                 idle_since = time.monotonic()
             elif self.settings.idle_timeout_s is not None and time.monotonic() - idle_since > self.settings.idle_timeout_s:
                 self._begin_drain("idle")

@@ -77,8 +77,9 @@ class Scheduler:
 
     def next_step_is_full(self) -> bool:
         """Whether the requests already here would fill the next step (token budget or sequence
-        cap), so waiting for more arrivals could not add anything to it. Ignores prefix-cache
-        hits: it may say "not full" for a step that is, never the reverse."""
+        cap), so waiting for more arrivals could not add anything to it. Counts waiting prompts
+        whole (prefix-cache hits and a short pool would shrink them): it may call a step full
+        that is not, and the caller then merely steps without waiting."""
         if len(self.requests) >= self.max_num_seqs:
             return True
         wanted = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
