@@ -20,6 +20,7 @@ __all__ = [
     "AttentionMetadata",
     "backend_for",
     "linear",
+    "pack_linear_weight",
     "paged_attention",
     "rms_norm",
     "rotary",
@@ -92,11 +93,20 @@ def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, is_neox, k_cache, v_c
 
 
 def linear(x, weight, bias=None):
-    """x @ weight^T (+ bias), nn.Linear's product; the cpu backend streams the weights itself for
-    decode-sized batches."""
-    if backend_for(x) == "cpu":
+    """x @ weight^T (+ bias), nn.Linear's product. `weight` is a tensor [out, in] or what
+    `pack_linear_weight` made of one (which only the cpu backend reads)."""
+    if backend_for(x) == "cpu" or not isinstance(weight, torch.Tensor):
         return _cpu().linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor):
+    """`weight` [out, in] in the layout the cpu backend's product reads fastest (a
+    `cpu_native.PackedWeight`), or None where that backend would not run it (another backend,
+    not float32, no native build). Done once, when a model is loaded."""
+    if backend_for(weight) != "cpu":
+        return None
+    return _cpu().pack_weight(weight)
 
 
 def silu_and_mul(gate_up):

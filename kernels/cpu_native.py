@@ -5,8 +5,9 @@
   longer prefill chunks are compute-bound and stay on the reference's SDPA path;
 - RMSNorm with the residual add, rotary + KV write, silu * up: one pass each instead of 6-12
   small ops (`csrc/fused_ops_cpu.cpp`), which at decode batch sizes is mostly dispatch overhead;
-- the matrix products of decode-sized batches (up to `LINEAR_NATIVE_MAX_ROWS` rows), which are
-  bound by streaming the weights: read once, in place, on every core (`csrc/linear_cpu.cpp`).
+- the float32 matrix products, with each weight packed once at load into column panels that
+  a register-blocked kernel streams (`csrc/linear_cpu.cpp`): BLAS repacks W on every call and,
+  at decode batch sizes (a few to a few dozen rows), reaches half the FMA units' rate.
 
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja;
 about a minute) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -20,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,8 +37,6 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "linear_cpu.cpp")
 ]
-# Rows of x up to which linear() streams the weights itself (decode batches); BLAS above.
-LINEAR_NATIVE_MAX_ROWS = 16
 # Instruction-set flags by what this CPU can run (torch's own dispatch level), not -march=native:
 # a shared extension cache must not hold code another machine cannot execute.
 _ISA_FLAGS = {
@@ -187,34 +187,50 @@ def rotary_and_write_kv(
     return q
 
 
-_few_rows_kernel = None  # module.linear_few_rows once known to be built (asked once, not per call)
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """An nn.Linear weight [out_features, in_features], float32, in `linear_packed`'s layout:
+    panels [ceil(out_features / 16), in_features, 16], panels[p, k, c] = W[16 p + c, k]."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
 
 
-def _linear_few_rows():
-    global _few_rows_kernel
-    if _few_rows_kernel is None:
-        module = load()
-        _few_rows_kernel = (
-            module.linear_few_rows if module is not None and module.linear_few_rows_supported() else False
-        )
-    return _few_rows_kernel
+_packed_supported: bool | None = None  # whether the packed product was built (asked once, not per call)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; for a few rows of float32 x (decode), a kernel that streams W once on every core."""
-    kernel = _linear_few_rows()
-    if (
-        kernel
-        and x.dim() == 2
-        and x.shape[0] <= LINEAR_NATIVE_MAX_ROWS
-        and x.dtype == weight.dtype == torch.float32
-        and x.stride(-1) == 1
-        and weight.is_contiguous()
-        and x.shape[1] % 8 == 0
-        and (bias is None or bias.dtype == torch.float32)
-    ):
-        return kernel(x, weight, bias)
-    return F.linear(x, weight, bias)
+def _packed_module():
+    global _packed_supported
+    module = load()
+    if _packed_supported is None:
+        _packed_supported = module is not None and module.linear_packed_supported()
+    return module if _packed_supported else None
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """`weight` packed for `linear`, or None where the packed product cannot run it (not a
+    float32 CPU matrix, or no AVX2 build): the caller keeps the tensor and gets F.linear."""
+    module = _packed_module()
+    if module is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    out_features, in_features = weight.shape
+    return PackedWeight(module.pack_linear_weight(weight.detach()), out_features, in_features)
+
+
+def linear(
+    x: torch.Tensor,  # [..., in_features]
+    weight: torch.Tensor | PackedWeight,  # [out_features, in_features], or packed by pack_weight
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [..., out_features]
+    """F.linear; with a packed weight, the native register-blocked product."""
+    if not isinstance(weight, PackedWeight):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, weight.in_features)
+    if rows.stride(-1) != 1 or rows.dtype != torch.float32:
+        rows = rows.float().contiguous()
+    out = _packed_module().linear_packed(rows, weight.panels, weight.out_features, bias)
+    return out.view(*x.shape[:-1], weight.out_features)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]

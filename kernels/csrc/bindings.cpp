@@ -14,8 +14,10 @@ void rotary_write_kv(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, c
                      const torch::Tensor& cos_sin, torch::Tensor k_cache, torch::Tensor v_cache,
                      const torch::Tensor& slot_mapping);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
-bool linear_few_rows_supported();
-torch::Tensor linear_few_rows(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+bool linear_packed_supported();
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
+                            const c10::optional<torch::Tensor>& bias);
 }  // namespace ferry
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &ferry::rms_norm, "RMSNorm with an in-place residual add", release());
   m.def("rotary_write_kv", &ferry::rotary_write_kv, "neox rotary in place, then K/V into the block pool", release());
   m.def("silu_and_mul", &ferry::silu_and_mul, "silu(gate) * up", release());
-  m.def("linear_few_rows_supported", &ferry::linear_few_rows_supported, "whether linear_few_rows was built (AVX2)");
-  m.def("linear_few_rows", &ferry::linear_few_rows, "x @ W^T (+ b) for a few rows of x, W streamed once", release());
+  m.def("linear_packed_supported", &ferry::linear_packed_supported, "whether linear_packed was built (AVX2)");
+  m.def("pack_linear_weight", &ferry::pack_linear_weight, "W [N, K] into linear_packed's [ceil(N/16), K, 16] panels", release());
+  m.def("linear_packed", &ferry::linear_packed, "x @ W^T (+ b) with W in packed panels", release());
 }

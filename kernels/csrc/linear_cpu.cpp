@@ -1,14 +1,20 @@
-// y = x @ W^T (+ bias) for a few rows of x: the decode-time matrix products on the CPU.
+// y = x @ W^T (+ bias) in float32 with W packed once, at load time, into column panels.
 //
-// With one to a few dozen rows, every weight is used only that many times after it is read
-// from memory, so the product is bound by how fast W streams in. The BLAS path packs W into its
-// own layout first (another full pass over W) and stays single-threaded for one row; this
-// kernel reads W once, in place, on every core: each task takes 4 rows of W (contiguous, so
-// the hardware prefetcher follows them), keeps them in L1 while every row of x passes over
-// them, and holds the partial dot products in registers.
+// BLAS packs W into its own layout on every call (one more pass over all the weights per
+// product) and, with a few dozen rows of x, reaches about half of what the FMA units can do
+// here; at decode batch sizes that pass and that half are most of a step. Packing W once makes
+// the product one streaming read of W: each panel of 16 output columns is
 //
-//   x:      [M, K] float32, rows may be strided, K % 8 == 0
-//   weight: [N, K] float32, contiguous (nn.Linear's layout)
+//   panels: [ceil(N / 16), K, 16]   panels[p, k, c] = W[16 p + c, k]  (zero past N)
+//
+// so that for each k the 16 weights of a panel are one contiguous 64-byte line. The micro-kernel
+// keeps a 6 x 16 block of out in 12 registers and, per k, broadcasts x[r, k] for 6 rows against
+// the panel's two vectors: 12 FMAs per 2 loads + 6 broadcasts, the FMA units' limit rather than
+// the loads'. Panels are split across cores; x (a block of rows at a time, kept small enough to
+// stay in L2 with the panel) is read by every core.
+//
+//   x:      [M, K] float32, rows may be strided
+//   panels: as above, float32
 //   bias:   [N] float32 or absent
 //   out:    [M, N] float32
 
@@ -19,32 +25,73 @@
 
 namespace {
 
-#ifdef FERRY_AVX2
-constexpr int kWeightRows = 4;  // rows of W per tile: 4 streams, 4 accumulators per row of x
+constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors
 
-// ROWS rows of x against W_ROWS (<= kWeightRows) rows of W: ROWS * W_ROWS accumulators.
-template <int ROWS, int W_ROWS>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t K, float* out, int64_t out_stride) {
-  __m256 acc[ROWS][W_ROWS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < W_ROWS; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[W_ROWS];
-    for (int c = 0; c < W_ROWS; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + k);
-      for (int c = 0; c < W_ROWS; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+#ifdef FERRY_AVX2
+constexpr int kRows = 6;  // rows of x per micro-kernel call: 12 accumulators + 2 weights + 1 broadcast of 16 registers
+
+// ROWS (<= kRows) rows of x against one panel over all of K; writes `cols` (<= 16) columns of out.
+// The accumulators are named locals, not an array: GCC otherwise stores an array back to the
+// stack on every k, which costs more than the FMAs.
+template <int ROWS>
+inline void micro(const float* x, int64_t x_stride, const float* panel, int64_t K, const float* bias, float* out,
+                  int64_t out_stride, int64_t cols) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  const float* x0 = x;
+  const float* x1 = x + x_stride;
+  const float* x2 = x + 2 * x_stride;
+  const float* x3 = x + 3 * x_stride;
+  const float* x4 = x + 4 * x_stride;
+  const float* x5 = x + 5 * x_stride;
+// One row of the block: broadcast x[R, k] against the panel's two vectors (named registers a<R>0, a<R>1).
+#define FERRY_PANEL_ROW(R)                          \
+  if constexpr (ROWS > R) {                         \
+    const __m256 b = _mm256_broadcast_ss(x##R + k); \
+    a##R##0 = _mm256_fmadd_ps(b, w0, a##R##0);      \
+    a##R##1 = _mm256_fmadd_ps(b, w1, a##R##1);      \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    FERRY_PANEL_ROW(0) FERRY_PANEL_ROW(1) FERRY_PANEL_ROW(2) FERRY_PANEL_ROW(3) FERRY_PANEL_ROW(4) FERRY_PANEL_ROW(5)
+  }
+#undef FERRY_PANEL_ROW
+  const __m256 acc[kRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  alignas(32) float row[kPanel];
+  for (int r = 0; r < ROWS; ++r) {
+    __m256 lo = acc[r][0], hi = acc[r][1];
+    float* o = out + r * out_stride;
+    if (cols == kPanel) {
+      if (bias) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+      }
+      _mm256_storeu_ps(o, lo);
+      _mm256_storeu_ps(o + 8, hi);
+    } else {  // the last panel of an N that is not a multiple of 16
+      _mm256_store_ps(row, lo);
+      _mm256_store_ps(row + 8, hi);
+      for (int64_t c = 0; c < cols; ++c) o[c] = row[c] + (bias ? bias[c] : 0.f);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < W_ROWS; ++c) out[r * out_stride + c] = ferry::hsum8(acc[r][c]);
 }
 
-template <int W_ROWS>
-inline void all_rows(const float* x, int64_t x_stride, int64_t M, const float* w, int64_t K, float* out, int64_t N) {
+void rows_against_panel(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t K,
+                        const float* bias, float* out, int64_t out_stride, int64_t cols) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) tile<2, W_ROWS>(x + m * x_stride, x_stride, w, K, out + m * N, N);
-  if (m < M) tile<1, W_ROWS>(x + m * x_stride, x_stride, w, K, out + m * N, N);
+  for (; m + kRows <= rows; m += kRows)
+    micro<kRows>(x + m * x_stride, x_stride, panel, K, bias, out + m * out_stride, out_stride, cols);
+  const float* xr = x + m * x_stride;
+  float* o = out + m * out_stride;
+  switch (rows - m) {
+    case 5: micro<5>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 4: micro<4>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 3: micro<3>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 2: micro<2>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 1: micro<1>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    default: break;
+  }
 }
 #endif
 
@@ -52,7 +99,7 @@ inline void all_rows(const float* x, int64_t x_stride, int64_t M, const float* w
 
 namespace ferry {
 
-bool linear_few_rows_supported() {
+bool linear_packed_supported() {
 #ifdef FERRY_AVX2
   return true;
 #else
@@ -60,37 +107,69 @@ bool linear_few_rows_supported() {
 #endif
 }
 
-torch::Tensor linear_few_rows(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(!x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, "x must be a CPU [M, K] tensor, contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1), "weight must be contiguous [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.size(1) % 8 == 0, "K must be a multiple of 8");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-#ifdef FERRY_AVX2
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
-  const int64_t tiles = (N + kWeightRows - 1) / kWeightRows;
-  // ~64 KiB of W per task: small enough to balance two cores, large enough to amortise the hand-off.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kWeightRows * K * 4));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kWeightRows;
-      const float* w = wp + n * K;
-      float* o = op + n;
-      switch (std::min<int64_t>(kWeightRows, N - n)) {
-        case 4: all_rows<4>(xp, x_stride, M, w, K, o, N); break;
-        case 3: all_rows<3>(xp, x_stride, M, w, K, o, N); break;
-        case 2: all_rows<2>(xp, x_stride, M, w, K, o, N); break;
-        default: all_rows<1>(xp, x_stride, M, w, K, o, N); break;
+torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(!weight.is_cuda() && weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
+              "weight must be a float32 CPU [N, K] tensor");
+  const torch::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), num_panels = (N + kPanel - 1) / kPanel;
+  torch::Tensor panels = torch::empty({num_panels, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = panels.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* panel = dst + p * K * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t n = p * kPanel + c;
+        if (n < N) {
+          const float* row = src + n * K;  // read W's row in order, write it down the panel's column
+          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + c] = row[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + c] = 0.f;
+        }
       }
     }
   });
-  if (bias.has_value()) out.add_(*bias);
+  return panels;
+}
+
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(!x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
+              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1) &&
+                  panels.scalar_type() == torch::kFloat32,
+              "panels must be a contiguous float32 [ceil(N/16), K, 16] tensor whose K is x's");
+  TORCH_CHECK(out_features > (panels.size(0) - 1) * kPanel && out_features <= panels.size(0) * kPanel,
+              "out_features does not match the number of panels");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_panels = panels.size(0);
+  const float* bias_ptr = nullptr;
+  torch::Tensor bias_contiguous;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N, "bias must be float32 [N]");
+    bias_contiguous = bias->contiguous();
+    bias_ptr = bias_contiguous.data_ptr<float>();
+  }
+  torch::Tensor out = torch::empty({M, N}, x.options());
+#ifdef FERRY_AVX2
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  // Rows of x per pass over the panels: ~192 KiB of x, which stays in L2 (512 KiB and up) with
+  // the panel being read; a multiple of the micro-kernel's 6 rows.
+  const int64_t block_rows = std::max<int64_t>(kRows, (192 << 10) / (K * 4) / kRows * kRows);
+  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, M - m0);
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n = p * kPanel;
+        rows_against_panel(xp + m0 * x_stride, x_stride, rows, wp + p * K * kPanel, K,
+                           bias_ptr ? bias_ptr + n : nullptr, op + m0 * N + n, N, std::min(kPanel, N - n));
+      }
+    });
+  }
 #else
-  TORCH_CHECK(false, "linear_few_rows needs AVX2");
+  TORCH_CHECK(false, "linear_packed needs AVX2");
 #endif
   return out;
 }

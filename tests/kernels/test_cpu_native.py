@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import kernels
 from kernels import cpu_native, reference
 from tests.kernels.test_paged_attention import BATCHES, make_case
+from worker.models.config import ModelArch
 
 # (num_heads, num_kv_heads, head_dim): the register paths (32, 64, 128) and the portable loop (48, 80).
 HEADS = [(2, 2, 64), (9, 3, 64), (8, 1, 32), (4, 2, 128), (4, 2, 48), (6, 3, 80)]
@@ -177,23 +179,51 @@ def test_engine_greedy_same_with_cpu_and_torch_backends(llama_dir, monkeypatch):
     assert outputs["cpu"] == outputs["torch"]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize(("n", "k", "with_bias"), [(576, 576, False), (130, 64, True), (3, 8, False)])
-def test_linear_few_rows_matches_f_linear(rows, n, k, with_bias):
-    gen = torch.Generator().manual_seed(rows * n)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 200])
+@pytest.mark.parametrize(
+    ("n", "k", "with_bias"), [(576, 576, False), (130, 64, True), (3, 8, False), (17, 13, True), (48, 1, False)]
+)
+def test_packed_linear_matches_f_linear(rows, n, k, with_bias):
+    """Every micro-kernel height (1-6 rows), a partial last panel (n % 16), odd K, bias."""
+    gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
+    packed = cpu_native.pack_weight(weight)
+    assert packed is not None and packed.panels.shape == ((n + 15) // 16, k, 16)
     # Rows of x as a strided view (a slice of a wider activation), as the model passes them.
     x = torch.randn(rows, k + 8, generator=gen)[:, :k]
-    got = cpu_native.linear(x, weight, bias)
+    got = cpu_native.linear(x, packed, bias)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_linear_takes_blas_where_the_kernel_does_not_apply():
-    gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(40, 12, generator=gen)  # K not a multiple of 8
-    x = torch.randn(2, 12, generator=gen)
+def test_packed_linear_keeps_leading_dims_and_large_row_blocks():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 1536, generator=gen)  # K large enough that x is cut into row blocks
+    x = torch.randn(3, 70, 1536, generator=gen)
+    got = cpu_native.linear(x, cpu_native.pack_weight(weight))
+    assert got.shape == (3, 70, 40)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=2e-4)
+
+
+def test_only_float32_cpu_matrices_are_packed():
+    assert cpu_native.pack_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+    assert cpu_native.pack_weight(torch.randn(8)) is None
+    weight = torch.randn(8, 16)
+    x = torch.randn(2, 16)
     torch.testing.assert_close(cpu_native.linear(x, weight), torch.nn.functional.linear(x, weight))
-    many = torch.randn(cpu_native.LINEAR_NATIVE_MAX_ROWS + 1, 16, generator=gen)
-    w16 = torch.randn(8, 16, generator=gen)
-    torch.testing.assert_close(cpu_native.linear(many, w16), torch.nn.functional.linear(many, w16))
+
+
+def test_loaded_float32_model_holds_packed_projections_only(llama_dir):
+    """The loader packs every projection (and drops its [out, in] tensor) and the head; a
+    bfloat16 model keeps nn.Linear."""
+    from worker.models.llama import PackedLinear
+    from worker.models.loader import load_model
+
+    arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(llama_dir))
+    model = load_model(llama_dir, arch, torch.float32, torch.device("cpu"), 64)
+    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
+    assert kinds == {"PackedLinear"}
+    assert model.lm_head_packed is not None
+    assert not [name for name, _ in model.named_parameters() if name.endswith("proj.weight")]
+    half = load_model(llama_dir, arch, torch.bfloat16, torch.device("cpu"), 64)
+    assert {type(m).__name__ for m in half.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))} == {"Linear"}

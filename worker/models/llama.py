@@ -15,9 +15,27 @@ from kernels import AttentionMetadata
 from worker.models.config import ModelArch, rope_cos_sin_cache
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The layer's product through the kernel dispatch (decode-sized batches have their own CPU kernel)."""
+def _linear(layer: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's product through the kernel dispatch (a packed layer's through the CPU kernel)."""
     return kernels.linear(x, layer.weight, layer.bias)
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear whose weight was packed once for the CPU product (`kernels.pack_linear_weight`);
+    the [out, in] tensor itself is dropped, so the weights are held once."""
+
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # weight: a cpu_native.PackedWeight
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_buffer("panels", weight.panels, persistent=False)  # counted by buffers(), like a weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
 class Attention(nn.Module):
@@ -102,9 +120,28 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         self.register_buffer("cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False)
 
+        self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    @torch.no_grad()
+    def pack_weights(self) -> int:
+        """Swap every projection for a PackedLinear where the kernel dispatch has a packed
+        product for its weight (float32 on the cpu backend), and pack the LM head beside its
+        tensor (the embedding lookup still reads a tied one). Call once the weights are loaded;
+        returns the number of matrices packed."""
+        count = 0
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    packed = kernels.pack_linear_weight(child.weight)
+                    if packed is not None:
+                        setattr(module, name, PackedLinear(packed, child.bias))
+                        count += 1
+        self.lm_head_packed = kernels.pack_linear_weight(self.lm_head_weight)
+        return count + (self.lm_head_packed is not None)
 
     def forward(
         self,
@@ -123,4 +160,5 @@ class LlamaModel(nn.Module):
         return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return kernels.linear(hidden, self.lm_head_weight).float()
+        head = self.lm_head_weight if self.lm_head_packed is None else self.lm_head_packed
+        return kernels.linear(hidden, head).float()

@@ -174,5 +174,6 @@ def load_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: tor
     missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    model.pack_weights()
     model.eval()
     return model
