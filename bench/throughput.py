@@ -75,6 +75,28 @@ class SystemResult:
         }
 
 
+def weight_read_floor(model_dir, repeats: int = 5) -> dict:
+    """The least time a batch-1 decode step can take on this machine now: one read of every
+    weight a step reads (each layer's, the final norm and the LM head as the engine holds them;
+    of the embedding only a row), timed as a sum over each tensor, best of `repeats`."""
+    import torch
+
+    from worker.engine import Engine
+
+    model = Engine(str(model_dir), kv_cache_bytes=16 << 20, max_model_len=256).runner.model
+    head = model.lm_head_weight if model.lm_head_packed is None else model.lm_head_packed.panels
+    tensors = [*model.layers.parameters(), *model.layers.buffers(), model.norm, head]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first pass warms the allocator and the pages
+            start = time.perf_counter()
+            for t in tensors:
+                t.sum()
+            best = min(best, time.perf_counter() - start)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return {"bytes": size, "seconds": round(best, 5), "gb_per_s": round(size / best / 1e9, 1)}
+
+
 def run_sweep(model_dir, work: Workload, levels: list[int]) -> list[dict]:
     """Ferry's throughput against how many requests run at once: at each level c, the first
     max(4, 2c) requests of the workload with max_num_seqs = c (so every level is busy for a while)."""
@@ -244,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_hf_batches(model_dir, work, 8, bar))
             else:
                 results.append(run_hf_continuous(model_dir, work, bar))
-    sweep = []
+    sweep, floor = [], None
     if "ferry" in systems and args.sweep:
         sweep = run_sweep(model_dir, work, [int(c) for c in args.sweep.split(",") if c])
+        floor = weight_read_floor(model_dir)  # right after the batch-1 run: the same machine conditions
+        single = next((row for row in sweep if row["max_num_seqs"] == 1), None)
+        if single and single["tbt_ms"]["p50"]:
+            floor["batch1_tbt_p50_ms"] = single["tbt_ms"]["p50"]
+            floor["batch1_tbt_over_floor"] = round(single["tbt_ms"]["p50"] / (floor["seconds"] * 1e3), 2)
         main_ferry = next(r for r in results if r.system == "ferry")
         tbt = percentiles(main_ferry.tbt_s)
         sweep.append({
@@ -272,11 +299,15 @@ def main(argv: list[str] | None = None) -> int:
             "results": summaries,
             "ratios": ratios,
             "concurrency_sweep": sweep,
+            "weight_read_floor": floor,
         },
     )
     for s in summaries:
         print(f"{s['system']:<11} {s['tokens_per_s']:>8.1f} tok/s  wall {s['wall_s']:>7.1f}s  TTFT p50 {s['ttft_ms']['p50']} ms  TBT p50 {s['tbt_ms']['p50']} ms")
     print("ratios:", ratios)
+    if floor and "batch1_tbt_over_floor" in floor:
+        print(f"batch-1 TBT p50 {floor['batch1_tbt_p50_ms']} ms = {floor['batch1_tbt_over_floor']}x the weight-read floor "
+              f"({floor['bytes'] / 1e6:.0f} MB at {floor['gb_per_s']} GB/s)")
     print("wrote", path)
     return 0
 
