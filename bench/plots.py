@@ -199,6 +199,25 @@ def plot_specdec(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "specdec.png")]
 
 
+def plot_linear_cpu(data: dict, out_dir: Path) -> list[Path]:
+    """GFLOP/s of the packed CPU product and of torch's F.linear against the rows of x."""
+    results = sorted(data.get("results") or [], key=lambda r: r["rows"])
+    if not results:
+        return []
+    rows = [r["rows"] for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(rows, [r["packed_gflops"] for r in results], "o-", color="tab:green", label="Ferry packed weights")
+    ax.plot(rows, [r["torch_gflops"] for r in results], "o-", color="tab:gray", label="torch F.linear (BLAS)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rows, [str(r) for r in rows])
+    ax.set_xlabel("rows of x (decode batch or prefill chunk)")
+    ax.set_ylabel("GFLOP/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("float32 projections of 30 SmolLM2-135M layers, weights from memory")
+    return [_save(fig, out_dir / "linear_cpu.png")]
+
+
 def plot_factors(suite: str, rows, out_dir: Path) -> list[Path]:
     """Any suite's factors (bench.report rows: > 1 means Ferry is better) as horizontal bars."""
     rows = [r for r in rows if r.factor is not None]
@@ -218,7 +237,10 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     """Every figure the given suite results (name -> JSON) support; returns the files written."""
     from bench.report import rows_for
 
-    drawers = {"throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec}
+    drawers = {
+        "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
+        "linear_cpu": plot_linear_cpu,
+    }
     paths = []
     for suite, data in results.items():
         drawer = drawers.get(suite)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PLOTS_DIR = REPO / "bench" / "plots"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels")
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu")
 
 
 @dataclass
@@ -117,6 +117,16 @@ def specdec_rows(data: dict) -> list[Row]:
     return rows
 
 
+def linear_cpu_rows(data: dict) -> list[Row]:
+    """A decode batch, a large decode batch and a prefill chunk: the packed product against BLAS."""
+    by_rows = {r["rows"]: r for r in data.get("results") or []}
+    return [
+        Row("linear_cpu", f"GFLOP/s, {rows}-row products, SmolLM2-135M layers", r["packed_gflops"], r["torch_gflops"],
+            "torch F.linear", True)
+        for rows, r in sorted(by_rows.items()) if rows in (1, 16, 64, 512)
+    ]
+
+
 def api_rows(data: dict) -> list[Row]:
     label = f"{data.get('clients')} streams"
     rows = [
@@ -143,7 +153,10 @@ def generic_rows(suite: str, data: dict) -> list[Row]:
     return [Row(suite, path, value, 1.0, "baseline", True) for path, value in _factor_leaves(data)]
 
 
-READERS = {"throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows}
+READERS = {
+    "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
+    "linear_cpu": linear_cpu_rows,
+}
 
 
 def rows_for(suite: str, data: dict) -> list[Row]:

@@ -43,6 +43,11 @@ SPECDEC = {
         "draft": {"tokens_per_s": 40.0, "speedup": 0.8},
     }}},
 }
+LINEAR_CPU = {
+    "machine": {"cpu": "x"},
+    "results": [{"rows": r, "torch_gflops": 50.0, "packed_gflops": g, "speedup": g / 50.0} for r, g in
+                ((1, 10.0), (4, 40.0), (16, 100.0), (64, 125.0), (512, 50.0))],
+}
 KERNELS = {"machine": {"gpu": "H100"}, "decode": {"bandwidth_ratio": 0.8, "acceptance_rate": 0.7}, "note": "text"}
 
 
@@ -95,13 +100,23 @@ def test_latest_prefers_the_latest_file_then_the_newest(tmp_path):
     assert report.latest_path("queue", tmp_path) is None
 
 
+def test_linear_cpu_rows_are_packed_over_blas_at_the_chosen_row_counts():
+    rows = report.rows_for("linear_cpu", LINEAR_CPU)
+    assert [(r.metric.split(",")[1].strip(), r.factor) for r in rows] == [
+        ("1-row products", 0.2), ("16-row products", 2.0), ("64-row products", 2.5), ("512-row products", 1.0),
+    ]
+
+
 def test_render_all_draws_each_figure(tmp_path):
     pytest.importorskip("matplotlib")
     from bench.plots import render_all
 
-    paths = render_all({"throughput": THROUGHPUT, "prefix": PREFIX, "specdec": SPECDEC, "kernels": KERNELS}, tmp_path)
+    paths = render_all(
+        {"throughput": THROUGHPUT, "prefix": PREFIX, "specdec": SPECDEC, "kernels": KERNELS, "linear_cpu": LINEAR_CPU},
+        tmp_path,
+    )
     assert sorted(p.name for p in paths) == [
-        "kernels.png", "kv-memory.png", "latency-cdf.png", "prefix.png", "specdec.png", "throughput-vs-concurrency.png",
-        "throughput.png",
+        "kernels.png", "kv-memory.png", "latency-cdf.png", "linear_cpu.png", "prefix.png", "specdec.png",
+        "throughput-vs-concurrency.png", "throughput.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
