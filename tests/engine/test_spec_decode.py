@@ -212,6 +212,25 @@ def test_governor_speculates_where_measured_faster_and_probes_the_other_side():
     assert [governor.choose(8) for _ in range(4)] == [True, True, True, False]
 
 
+def test_governor_repeats_a_probe_that_could_not_be_timed():
+    governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=8)
+    for speculate in (True, False):
+        assert governor.choose(8) is speculate
+        governor.observe(8, speculate, 8 if speculate else 8, 0.1 if speculate else 0.02)  # plain 5x faster
+    assert governor.choose(8) is False
+    assert governor.choose(8) is True  # the probe ...
+    governor.unmeasured(8)  # ... went untimed (the draft caught up first): probe again
+    assert governor.choose(8) is True
+    governor.unmeasured(8)
+    assert governor.choose(8) is True
+    governor.unmeasured(8)  # the third untimed step gives the probe up until the next interval
+    assert [governor.choose(8) for _ in range(3)] == [False] * 3
+    governor.unmeasured(8)  # an untimed step that was no probe changes nothing
+    assert governor.choose(8) is True  # the next probe, 4 decisions after the last
+    governor.observe(8, True, 8, 0.1)
+    assert [governor.choose(8) for _ in range(7)] == [False] * 7
+
+
 def test_governor_measures_afresh_when_the_running_requests_turn_over():
     governor = SpecGovernor(min_samples=2, probe_every=64, max_probe_every=128)
     governor.note_running(["a", "b", "c", "d"])

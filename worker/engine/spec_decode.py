@@ -105,11 +105,16 @@ class SpecDecoder:
 
     def observe(self, requests: list[Request], sampled: dict[str, list[int]]) -> None:
         """Time this step for the governor, if it only decoded (called before the engine applies it)."""
-        if self.governor is None or not all(r.num_tokens - r.num_computed_tokens == 1 for r in requests):
-            return  # a prefill chunk in the step would make both sides look slow
+        if self.governor is None:
+            return
         speculated = any(r.spec.token_ids for r in requests)
-        if speculated and self.proposer.catch_up_tokens > self.config.num_speculative_tokens + 1:
-            return  # the draft prefilled a prompt: a one-off cost, not the speed of speculation
+        # A prefill chunk in the step would make both sides look slow; a draft that first caught
+        # up on many tokens (a prompt, a long plain stretch) paid a one-off cost, not speculation's.
+        if not all(r.num_tokens - r.num_computed_tokens == 1 for r in requests) or (
+            speculated and self.proposer.catch_up_tokens > self.config.num_speculative_tokens + 1
+        ):
+            self.governor.unmeasured(self._batch_size)
+            return
         tokens = sum(len(t) for t in sampled.values())
         self.governor.observe(self._batch_size, speculated, tokens, time.perf_counter() - self._step_start)
 

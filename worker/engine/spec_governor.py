@@ -14,6 +14,11 @@ when the running requests have turned over (fewer than half of them were running
 governor last started measuring) every bucket starts afresh: a server that moves from free text
 to code edits re-measures in a few steps instead of waiting out a long probe interval.
 
+A probe must come back with a measurement: a step that cannot be timed (the draft first caught
+up on the tokens of a long plain stretch, or a prefill chunk shared the step) would otherwise
+cost a probe and teach nothing, so such a probe is repeated on the next decision (at most
+`_PROBE_RETRIES` times).
+
 Only throughput changes with the decision: greedy tokens are the same either way, sampled ones
 follow the same distribution, and seeded ones are the same tokens (see spec_decode.verify).
 """
@@ -25,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 _RECENT = 8  # steps per side whose median is the side's speed
+_PROBE_RETRIES = 2  # untimed probe steps repeated before the probe is given up until the next interval
 
 
 @dataclass(slots=True)
@@ -45,6 +51,9 @@ class _Bucket:
     faster: bool | None = None  # the side chosen since the last change (None: still measuring)
     since_probe: int = 0  # decisions since the slower side was last measured
     interval: int = 0  # decisions between probes: doubles while probes confirm the choice
+    probing: bool = False  # the last decision measured the slower side
+    retry: bool = False  # that probe went untimed: the next decision probes again
+    retries: int = 0  # untimed steps of the current probe so far
 
 
 @dataclass(slots=True)
@@ -74,13 +83,25 @@ class SpecGovernor:
             if side.samples < self.min_samples:
                 return speculate
         faster = bucket.speculating.rate >= bucket.plain.rate
+        if bucket.retry:
+            bucket.retry = False
+            return not faster
         if faster != bucket.faster:
             bucket.faster, bucket.interval, bucket.since_probe = faster, self.probe_every, 0
         bucket.since_probe += 1
         if bucket.since_probe < bucket.interval:
+            bucket.probing = False
             return faster
         bucket.since_probe, bucket.interval = 0, min(2 * bucket.interval, self.max_probe_every)
+        bucket.probing, bucket.retries = True, 0
         return not faster
+
+    def unmeasured(self, batch_size: int) -> None:
+        """The step just decided could not be timed; if it was a probe, the next decision repeats it."""
+        bucket = self._buckets.get(batch_size.bit_length())
+        if bucket is not None and bucket.probing and bucket.retries < _PROBE_RETRIES:
+            bucket.retries += 1
+            bucket.retry = True
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, proposals verified or not."""
