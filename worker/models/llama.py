@@ -119,7 +119,6 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         self.register_buffer("cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False)
-
         self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
 
     @property
