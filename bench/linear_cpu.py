@@ -20,10 +20,20 @@ import torch
 from tqdm import tqdm
 
 from bench.common import write_result
+from bench.models import SMOLLM2_135M
 from kernels import cpu_native
 
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
-LAYERS = 30
+
+def _projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of each fused projection of one layer, as worker.models.llama builds them."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    qkv = hidden + 2 * config["num_key_value_heads"] * head_dim
+    return {"qkv": (hidden, qkv), "o": (hidden, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+
+
+SHAPES = _projection_shapes(SMOLLM2_135M)
+LAYERS = SMOLLM2_135M["num_hidden_layers"]
 
 
 def _pass_seconds(products: list[tuple[torch.Tensor, object]], linear) -> float:

@@ -148,7 +148,7 @@ class QueueClient:
                     tokens[0] += len(event["token_ids"])
                 elif event["type"] == "started":
                     started_ts.setdefault(job_id, event["ts"])
-                elif event["type"] != "started":
+                else:
                     done[job_id] = now
 
         listener = threading.Thread(target=listen, daemon=True)
