@@ -137,3 +137,19 @@ def test_next_step_is_full_counts_prompt_tokens_decodes_and_the_sequence_cap():
     assert not sched.next_step_is_full()
     sched.add(make_request("d", 2))
     assert sched.next_step_is_full()  # 1 + 6 + 2 = 9 tokens (and 3 sequences again)
+
+
+def test_next_step_is_full_counts_only_what_a_prefix_hit_leaves_to_compute():
+    sched = _scheduler(budget=8, caching=True)
+    first = make_request("first", 9)
+    sched.add(first)
+    while first.num_output_tokens == 0:  # prefill (two steps), then its first token
+        _advance(sched, sched.schedule())
+    sched.finish(first, "stop")  # its two full blocks (8 tokens) stay in the prefix cache
+    again = make_request("again", 9)  # the same prompt: 8 of 9 tokens cached, 1 to compute
+    sched.add(again)
+    assert not sched.next_step_is_full()  # whole, the prompt (9) would have filled the budget (8)
+    sched.add(make_request("other", 7, first_token=100))
+    assert sched.next_step_is_full()  # 1 + 7 = 8
+    out = sched.schedule()
+    assert _plan(out) == [("again", 1), ("other", 7)]

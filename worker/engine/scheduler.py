@@ -77,13 +77,17 @@ class Scheduler:
 
     def next_step_is_full(self) -> bool:
         """Whether the requests already here would fill the next step (token budget or sequence
-        cap), so waiting for more arrivals could not add anything to it. Counts waiting prompts
-        whole (prefix-cache hits and a short pool would shrink them): it may call a step full
-        that is not, and the caller then merely steps without waiting."""
+        cap), so waiting for more arrivals could not add anything to it. A waiting prompt counts
+        the tokens its prefix-cache hit leaves to compute (a burst of cached prompts is a small
+        step, which later arrivals can still join); a short pool could shrink it further, so it
+        may call a step full that is not, and the caller then merely steps without waiting."""
         if len(self.requests) >= self.max_num_seqs:
             return True
         wanted = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
-        wanted += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        for r in self.waiting:
+            wanted += r.num_tokens - self.kv.lookup_prefix(r).num_tokens
+            if wanted >= self.max_num_batched_tokens:
+                return True
         return wanted >= self.max_num_batched_tokens
 
     # --- the step ----------------------------------------------------------------------------
