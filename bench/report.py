@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,7 @@ def queue_rows(data: dict) -> list[Row]:
     rows = [
         Row("queue", f"output tok/s, {label}", _get(data, "queue", "tokens_per_s"), _get(data, "direct", "tokens_per_s"), "in-process engine", True),
         Row("queue", f"TTFT p50 (ms), {label}", _queue_ttft(data), _get(data, "direct", "ttft_p50_ms"), "in-process engine", False),
+        Row("queue", "TTFT p50 (ms), one job at a time", *_single_job_ttfts(data), "in-process engine", False),
     ]
     return [r for r in rows if r.ferry is not None]
 
@@ -112,6 +114,14 @@ def _queue_ttft(data: dict) -> float | None:
     if direct is not None and paired is not None:
         return direct + paired
     return _get(data, "queue", "ttft_p50_ms")
+
+
+def _single_job_ttfts(data: dict) -> tuple[float | None, float | None]:
+    """(queue, direct) medians of the jobs sent one at a time: the hop itself, no batch to wait for."""
+    singles = data.get("single_job_ttft_ms") or []
+    if not singles:
+        return None, None
+    return statistics.median(s["queue"] for s in singles), statistics.median(s["direct"] for s in singles)
 
 
 def specdec_rows(data: dict) -> list[Row]:

@@ -120,3 +120,16 @@ def test_render_all_draws_each_figure(tmp_path):
         "throughput-vs-concurrency.png", "throughput.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_queue_rows_include_single_jobs_against_the_engine():
+    data = {
+        "jobs": 32, "queue": {"tokens_per_s": 95.0}, "direct": {"tokens_per_s": 100.0, "ttft_p50_ms": 1000.0},
+        "added_ttft_paired_p50_ms": 12.0,
+        "single_job_ttft_ms": [{"direct": 40.0, "queue": 44.0}, {"direct": 42.0, "queue": 47.0}, {"direct": 50.0, "queue": 52.0}],
+    }
+    rows = {row.metric: row for row in report.queue_rows(data)}
+    assert rows["TTFT p50 (ms), 32 jobs"].ferry == 1012.0
+    single = rows["TTFT p50 (ms), one job at a time"]
+    assert (single.ferry, single.baseline) == (47.0, 42.0)
+    assert single.factor == 42.0 / 47.0  # less time is better: baseline / Ferry
