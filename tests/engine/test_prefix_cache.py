@@ -257,3 +257,38 @@ def test_greedy_outputs_identical_with_and_without_prefix_caching(llama_dir):
     assert {k: v[0] for k, v in outputs[True].items()} == {k: v[0] for k, v in outputs[False].items()}
     assert all(outputs[True][f"r{i}"][1] == 36 for i in range(1, 4))  # the 9 full system blocks
     assert all(cached == 0 for _, cached in outputs[False].values())
+
+
+def test_cached_free_count_follows_every_change_of_the_pool():
+    """usage() reads a running count (it is asked every step); it must equal a count of the pool
+    through hits on free cached blocks, evictions, releases and snapshot imports."""
+    import random
+
+    from worker.engine.kv_cache import CachedBlock
+
+    def counted(kv: KVCacheManager) -> int:
+        return sum(1 for b in kv.free_queue if kv.block_meta[b] is not None)
+
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=12, block_size=BS)
+    live: list[Request] = []
+    shrank = 0  # admissions after which fewer blocks were cached: something was evicted
+    for step in range(300):
+        if live and (rng.random() < 0.4 or kv.num_free_blocks < 4):
+            kv.free(live.pop(rng.randrange(len(live))))  # finish: full blocks stay cached
+        else:
+            # Prompts from a few shared heads, so later ones hit the cache, evict, or both.
+            head = rng.randrange(3)
+            tokens = [1000 * head + i for i in range(rng.randrange(1, 4) * BS)] + [rng.randrange(10**6)]
+            request = make_request(f"r{step}", tokens)
+            cached_before = len(kv.cached)
+            if admit(kv, request) is not None:
+                live.append(request)
+                shrank += len(kv.cached) < cached_before
+        if step % 50 == 0:  # a snapshot import puts a cached block straight into the free queue
+            kv.adopt_cached_block(CachedBlock(f"imported-{step}".encode(), ROOT_KEY, (1, 2, 3, 4), last_used=0.0))
+        assert kv.usage(live).num_cached_free_blocks == counted(kv), step
+    assert kv.prefix_hits > 0 and shrank > 0  # the walk did exercise hits and evictions
+    for request in live:
+        kv.free(request)
+    assert kv.usage([]).num_cached_free_blocks == counted(kv) == len(kv.cached)

@@ -84,6 +84,7 @@ class KVCacheManager:
         # Free blocks in eviction order (front = next to reuse). Uncached blocks go to the front,
         # cached ones to the back, so a cached prefix survives as long as possible.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_cached_free = 0  # free blocks that still hold a cached prefix (kept as they change: usage() is per step)
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -178,11 +179,10 @@ class KVCacheManager:
         return len(self.free_queue)
 
     def usage(self, running: Sequence[Request]) -> KVUsage:
-        cached_free = sum(1 for b in self.free_queue if self.block_meta[b] is not None)
         return KVUsage(
             num_blocks=self.num_blocks,
             num_used_blocks=self.num_blocks - len(self.free_queue),
-            num_cached_free_blocks=cached_free,
+            num_cached_free_blocks=self.num_cached_free,
             num_used_tokens=sum(r.num_computed_tokens for r in running),
         )
 
@@ -202,6 +202,7 @@ class KVCacheManager:
             return None
         self.block_meta[block] = meta
         self.cached[meta.key] = block
+        self.num_cached_free += 1
         self.free_queue.move_to_end(block)
         return block
 
@@ -223,10 +224,14 @@ class KVCacheManager:
                 self.free_queue[block] = None
                 if self.block_meta[block] is None:
                     self.free_queue.move_to_end(block, last=False)
+                else:
+                    self.num_cached_free += 1
 
     def _touch(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free_queue[block]
+            if self.block_meta[block] is not None:
+                self.num_cached_free -= 1
         self.ref_counts[block] += 1
 
     def _pop_free(self) -> int:
@@ -235,6 +240,7 @@ class KVCacheManager:
         if meta is not None:  # evict the least recently freed cached block
             del self.cached[meta.key]
             self.block_meta[block] = None
+            self.num_cached_free -= 1
         self.ref_counts[block] = 1
         return block
 
