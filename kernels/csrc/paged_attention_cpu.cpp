@@ -128,18 +128,41 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int64_t* seqs = seq_indices.data_ptr<int64_t>();
-  const int64_t num_work = seq_indices.size(0) * num_kv_heads;
   const int64_t tile = block_size * head_dim;
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // One work item = one (sequence, KV head): its query heads share every K/V row it loads.
-  at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
+  // One work item = one (sequence, KV head, range of its blocks): the query heads of a KV head
+  // share every K/V row it loads. With fewer (sequence, KV head) pairs than twice the threads
+  // (batch 1 to a few), each pair's blocks are split into `parts` ranges so every core has work;
+  // each range keeps its own online-softmax state (max, sum, unnormalised output), and the
+  // ranges are merged after the parallel loop, rescaled to the common max (flash-decoding).
+  const int64_t num_pairs = seq_indices.size(0) * num_kv_heads;
+  const int64_t threads = at::get_num_threads();
+  int64_t max_blocks = 0, max_query_len = 0;
+  for (int64_t s = 0; s < seq_indices.size(0); ++s) {
+    max_blocks = std::max<int64_t>(max_blocks, (lens[seqs[s]] + block_size - 1) / block_size);
+    max_query_len = std::max<int64_t>(max_query_len, starts[seqs[s] + 1] - starts[seqs[s]]);
+  }
+  constexpr int64_t kMinBlocksPerPart = 4;  // below this a range's fixed costs outweigh the balance
+  const int64_t parts = num_pairs >= 2 * threads
+                            ? 1
+                            : std::max<int64_t>(1, std::min((2 * threads + num_pairs - 1) / num_pairs,
+                                                            max_blocks / kMinBlocksPerPart));
+  const int64_t max_queries = max_query_len * group;
+  const int64_t state = head_dim + 2;  // per query of a range: output[head_dim], max, sum
+  std::vector<float> partial(parts > 1 ? num_pairs * parts * max_queries * state : 0);
+
+  at::parallel_for(0, num_pairs * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries, acc, row_max, row_sum, scores;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t seq = seqs[w / num_kv_heads], kv_head = w % num_kv_heads;
+      const int64_t pair = w / parts, part = w % parts;
+      const int64_t seq = seqs[pair / num_kv_heads], kv_head = pair % num_kv_heads;
       const int64_t first_row = starts[seq], query_len = starts[seq + 1] - first_row, context = lens[seq];
       const int64_t num_queries = query_len * group;  // query i = (row i / group, head kv_head * group + i % group)
+      const int64_t num_blocks = (context + block_size - 1) / block_size;
+      const int64_t per_part = (num_blocks + parts - 1) / parts;
+      const int64_t b_begin = std::min(num_blocks, part * per_part), b_end = std::min(num_blocks, b_begin + per_part);
       queries.resize(num_queries * head_dim);
       acc.assign(num_queries * head_dim, 0.f);
       row_max.assign(num_queries, neg_inf);
@@ -149,14 +172,13 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         const scalar_t* src = q_ptr + (first_row + i / group) * q_row_stride + (kv_head * group + i % group) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) queries[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      const int64_t num_blocks = (context + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t block = tables[seq * table_stride + b];
         const scalar_t* k_tile = k_ptr + (block * num_kv_heads + kv_head) * tile;
         const scalar_t* v_tile = v_ptr + (block * num_kv_heads + kv_head) * tile;
         const int64_t block_start = b * block_size;
 #ifdef FERRY_AVX2
-        if (b + 1 < num_blocks) {
+        if (b + 1 < b_end) {
           // The next tiles are elsewhere in the pool (no stride for the hardware prefetcher to
           // find): ask for them now, while this block computes.
           const int64_t next = tables[seq * table_stride + b + 1];
@@ -202,10 +224,47 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
           }
         }
       }
+      if (parts > 1) {  // keep this range's state for the merge
+        float* dst = partial.data() + w * max_queries * state;
+        for (int64_t i = 0; i < num_queries; ++i, dst += state) {
+          std::copy(acc.begin() + i * head_dim, acc.begin() + (i + 1) * head_dim, dst);
+          dst[head_dim] = row_max[i];
+          dst[head_dim + 1] = row_sum[i];
+        }
+        continue;
+      }
       for (int64_t i = 0; i < num_queries; ++i) {
         scalar_t* dst = out_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
         const float inv = 1.f / row_sum[i];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv);
+      }
+    }
+  });
+  if (parts == 1) return;
+
+  // Merge each pair's ranges: o = sum_p e^(m_p - m) acc_p / sum_p e^(m_p - m) l_p with m = max_p m_p
+  // (a range that saw no visible token has m_p = -inf and weighs 0).
+  at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t seq = seqs[pair / num_kv_heads], kv_head = pair % num_kv_heads;
+      const int64_t first_row = starts[seq], num_queries = (starts[seq + 1] - first_row) * group;
+      for (int64_t i = 0; i < num_queries; ++i) {
+        float m = neg_inf;
+        for (int64_t part = 0; part < parts; ++part)
+          m = std::max(m, partial[((pair * parts + part) * max_queries + i) * state + head_dim]);
+        float total = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t part = 0; part < parts; ++part) {
+          const float* st = partial.data() + ((pair * parts + part) * max_queries + i) * state;
+          if (st[head_dim] == neg_inf) continue;
+          const float weight = std::exp(st[head_dim] - m);
+          total += weight * st[head_dim + 1];
+          for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * st[d];
+        }
+        scalar_t* dst = out_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv);
       }
     }
   });

@@ -227,3 +227,15 @@ def test_loaded_float32_model_holds_packed_projections_only(llama_dir):
     assert not [name for name, _ in model.named_parameters() if name.endswith("proj.weight")]
     half = load_model(llama_dir, arch, torch.bfloat16, torch.device("cpu"), 64)
     assert {type(m).__name__ for m in half.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))} == {"Linear"}
+
+
+@pytest.mark.parametrize(("num_kv_heads", "query_len", "seq_len"), [(1, 1, 700), (1, 5, 333), (2, 1, 129), (3, 16, 64)])
+def test_few_sequences_split_their_blocks_and_merge_exactly(num_kv_heads, query_len, seq_len):
+    # One sequence with one or two KV heads is fewer work items than threads (x2): the kernel
+    # splits its blocks into ranges and merges their softmax states. Large logits make the
+    # ranges' maxima differ, so the merge's rescaling is what is checked.
+    q, k_cache, v_cache, meta = make_case(
+        [query_len], [seq_len], num_heads=3 * num_kv_heads, num_kv_heads=num_kv_heads, block_size=16, seed=seq_len
+    )
+    expected, got = reference_and_native(q * 6, k_cache, v_cache, meta)
+    torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
