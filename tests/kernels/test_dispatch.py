@@ -41,3 +41,29 @@ def test_default_and_invalid_backend(monkeypatch):
     monkeypatch.setenv("FERRY_ATTENTION_BACKEND", "cuda")
     with pytest.raises(ValueError, match="FERRY_ATTENTION_BACKEND"):
         kernels.backend_for(torch.zeros(1))
+
+
+def test_a_pinned_backend_holds_for_the_forward_pass_and_nests(monkeypatch):
+    monkeypatch.setenv("FERRY_ATTENTION_BACKEND", "torch")
+    x = torch.zeros(1)
+    with kernels.pinned_backend(x) as backend:
+        assert backend == "torch"
+        monkeypatch.delenv("FERRY_ATTENTION_BACKEND")  # read once at entry: no effect inside
+        assert kernels.backend_for(x) == "torch"
+        with kernels.pinned_backend(x) as inner:  # a nested pass keeps the outer choice
+            assert inner == "torch"
+        assert kernels.backend_for(x) == "torch"
+    assert kernels.backend_for(x) == "cpu"  # unpinned again: the environment decides
+
+
+def test_pinned_backend_is_per_thread(monkeypatch):
+    import threading
+
+    monkeypatch.setenv("FERRY_ATTENTION_BACKEND", "torch")
+    seen = []
+    with kernels.pinned_backend(torch.zeros(1)):
+        monkeypatch.delenv("FERRY_ATTENTION_BACKEND")
+        thread = threading.Thread(target=lambda: seen.append(kernels.backend_for(torch.zeros(1))))
+        thread.start()
+        thread.join()
+    assert seen == ["cpu"]  # another thread's calls are not pinned by this one's pass

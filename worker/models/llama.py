@@ -152,11 +152,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(
-                x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
-            )
-        return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
+        with kernels.pinned_backend(x):
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(
+                    x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
+                )
+            return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         head = self.lm_head_weight if self.lm_head_packed is None else self.lm_head_packed
