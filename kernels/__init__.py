@@ -18,10 +18,13 @@ import torch
 
 from kernels import reference
 from kernels.metadata import AttentionMetadata
+from kernels.stack_layer import StackLayer
 
 __all__ = [
     "AttentionMetadata",
+    "StackLayer",
     "backend_for",
+    "decoder_stack",
     "pinned_backend",
     "linear",
     "pack_linear_weight",
@@ -139,6 +142,16 @@ def pack_linear_weight(weight: torch.Tensor):
     if backend_for(weight) != "cpu":
         return None
     return _cpu().pack_weight(weight)
+
+
+def decoder_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, final_norm, layers):
+    """Every decoder layer plus the final norm as one call (`layers`: one `StackLayer` each), for
+    the steps the backend can run that way; None where it has no such path (the model then
+    runs layer by layer). Its `forward(x, positions, cos_sin, kv_cache, slot_mapping, meta)`
+    returns the final-normed hidden states, or None for a step it does not cover."""
+    if backend_for(final_norm) != "cpu":
+        return None
+    return _cpu().decoder_stack(num_heads, num_kv_heads, head_dim, eps, scale, final_norm, layers)
 
 
 def silu_and_mul(gate_up):

@@ -29,13 +29,20 @@ import torch.nn.functional as F
 
 from kernels import reference
 from kernels.metadata import AttentionMetadata
+from kernels.stack_layer import StackLayer
 
 log = logging.getLogger(__name__)
 
 SHORT_QUERY_MAX = 16  # query tokens per sequence up to which the native kernel beats gather + SDPA
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "linear_cpu.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_attention_cpu.cpp",
+        "fused_ops_cpu.cpp",
+        "linear_cpu.cpp",
+        "decoder_stack_cpu.cpp",
+    )
 ]
 # Instruction-set flags by what this CPU can run (torch's own dispatch level), not -march=native:
 # a shared extension cache must not hold code another machine cannot execute.
@@ -231,6 +238,74 @@ def linear(
         rows = rows.float().contiguous()
     out = _packed_module().linear_packed(rows, weight.panels, weight.out_features, bias)
     return out.view(*x.shape[:-1], weight.out_features)
+
+
+class DecoderStack:
+    """Every decoder layer plus the final norm in one native call (`csrc/decoder_stack_cpu.cpp`),
+    for steps whose sequences all have short query runs: decode and speculative verification.
+    At batch 1 the ~270 per-layer kernel calls from Python cost about 15% of a float32 step;
+    here the same kernels run back to back, so outputs do not change. Other steps (a prefill
+    chunk longer than `SHORT_QUERY_MAX`) keep the per-layer path: `forward` returns None."""
+
+    def __init__(self, native, num_layers: int) -> None:
+        self._native = native
+        self.num_layers = num_layers
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden] float32: the embeddings (not written)
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_sin: torch.Tensor,  # [max_positions, head_dim] float32
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [num_tokens, hidden], final-normed; None: not a short-query step
+        short, has_long = _short_sequences(meta)
+        if has_long or x.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            return None
+        return self._native.forward(
+            x,
+            positions.contiguous(),
+            cos_sin,
+            kv_cache,
+            slot_mapping.contiguous(),
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            short,
+        )
+
+
+def decoder_stack(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    scale: float,
+    final_norm: torch.Tensor,  # [hidden]
+    layers: list[StackLayer],
+) -> DecoderStack | None:
+    """A `DecoderStack` over these layers, or None where the native build is missing."""
+    module = _packed_module()
+    if module is None:
+        return None
+    native = module.DecoderStack(num_heads, num_kv_heads, head_dim, eps, scale, final_norm.detach().contiguous())
+    for layer in layers:
+        native.add_layer(
+            layer.input_norm.detach().contiguous(),
+            layer.post_attention_norm.detach().contiguous(),
+            None if layer.q_norm is None else layer.q_norm.detach().contiguous(),
+            None if layer.k_norm is None else layer.k_norm.detach().contiguous(),
+            *_projection(layer.qkv, layer.qkv_bias),
+            *_projection(layer.o, layer.o_bias),
+            *_projection(layer.gate_up, layer.gate_up_bias),
+            *_projection(layer.down, layer.down_bias),
+        )
+    return DecoderStack(native, len(layers))
+
+
+def _projection(weight: PackedWeight, bias: torch.Tensor | None) -> tuple:
+    return weight.panels, weight.out_features, None if bias is None else bias.detach().contiguous()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]

@@ -120,6 +120,7 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         self.register_buffer("cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False)
         self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
+        self.native_stack = None  # every layer as one native call for decode steps, once pack_weights() ran
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -140,7 +141,39 @@ class LlamaModel(nn.Module):
                         setattr(module, name, PackedLinear(packed, child.bias))
                         count += 1
         self.lm_head_packed = kernels.pack_linear_weight(self.lm_head_weight)
+        self.native_stack = self._build_native_stack()
         return count + (self.lm_head_packed is not None)
+
+    def _build_native_stack(self):
+        """`kernels.decoder_stack` over the packed layers, or None where some projection stayed
+        a plain tensor (not float32, or another backend)."""
+        projections = [
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for layer in self.layers
+        ]
+        if not all(isinstance(p, PackedLinear) for group in projections for p in group):
+            return None
+        layers = [
+            kernels.StackLayer(
+                input_norm=layer.input_layernorm,
+                post_attention_norm=layer.post_attention_layernorm,
+                q_norm=layer.self_attn.q_norm,
+                k_norm=layer.self_attn.k_norm,
+                qkv=qkv.weight,
+                qkv_bias=qkv.bias,
+                o=o.weight,
+                o_bias=o.bias,
+                gate_up=gate_up.weight,
+                gate_up_bias=gate_up.bias,
+                down=down.weight,
+                down_bias=down.bias,
+            )
+            for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)
+        ]
+        attn = self.layers[0].self_attn
+        return kernels.decoder_stack(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.arch.rms_norm_eps, attn.scale, self.norm, layers
+        )
 
     def forward(
         self,
@@ -152,7 +185,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         residual = None
-        with kernels.pinned_backend(x):
+        with kernels.pinned_backend(x) as backend:
+            if self.native_stack is not None and backend == "cpu":
+                hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta)
+                if hidden is not None:  # a decode / verification step: all layers in one call
+                    return hidden
             for i, layer in enumerate(self.layers):
                 x, residual = layer(
                     x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta

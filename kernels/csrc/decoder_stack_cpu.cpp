@@ -1,0 +1,137 @@
+// Every decoder layer of a Llama-family model in one native call, for steps whose sequences all
+// have short query runs (decode, speculative verification).
+//
+// Why: at batch 1 a float32 step on this CPU is one streaming read of the weights (the packed
+// products) plus ~270 small calls (9 per layer: norms, rotary + KV write, attention, silu * up,
+// the four products). From Python each call costs a module call, the dispatch, argument
+// conversion and a tensor allocation: about 15% of the step. Here the same kernels run back to
+// back from C++, with the layer's tensors held once instead of passed per call.
+//
+// The math is exactly worker/models/llama.py's DecoderLayer (same kernels, same order), so a
+// step gives the same floats whichever path runs it:
+//   h, residual = rms_norm(x + residual)                        [T, hidden]
+//   q, k, v     = split(h @ Wqkv^T + b)                         [T, H, D], [T, Hkv, D] x 2
+//   q, k        = rms_norm per head (Qwen3 only)
+//   rotary(q, k); k, v -> block pool at slot_mapping
+//   x           = attention(q, pool) @ Wo^T + b                 [T, hidden]
+//   h, residual = rms_norm(x + residual)
+//   x           = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T + b
+// and after the last layer, rms_norm(x + residual) with the final norm.
+
+#include <vector>
+
+#include "ferry_ops.h"
+
+namespace ferry {
+namespace {
+
+// One packed projection: panels [ceil(N / 16), K, 16] float32 (linear_cpu.cpp), optional bias [N].
+struct Projection {
+  torch::Tensor panels;
+  int64_t out_features;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const { return linear_packed(x, panels, out_features, bias); }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_attention_norm;  // [hidden]
+  c10::optional<torch::Tensor> q_norm, k_norm;     // [head_dim], Qwen3
+  Projection qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+               torch::Tensor final_norm)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        final_norm_(std::move(final_norm)) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, int64_t qkv_out,
+                 c10::optional<torch::Tensor> qkv_bias, torch::Tensor o, int64_t o_out,
+                 c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, int64_t gate_up_out,
+                 c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down, int64_t down_out,
+                 c10::optional<torch::Tensor> down_bias) {
+    TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv projection width disagrees with the heads");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm), std::move(k_norm),
+                            Projection{std::move(qkv), qkv_out, std::move(qkv_bias)},
+                            Projection{std::move(o), o_out, std::move(o_bias)},
+                            Projection{std::move(gate_up), gate_up_out, std::move(gate_up_bias)},
+                            Projection{std::move(down), down_out, std::move(down_bias)}});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x: [T, hidden] float32, the embeddings (read, not written); kv_cache: [L, 2, blocks, Hkv, block, D];
+  // the attention metadata as paged_attention_short takes it (seq_indices: every sequence).
+  // Returns the final-normed hidden states [T, hidden].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
+                        const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices) const {
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() && kv_cache.is_contiguous(),
+                "kv_cache must be a contiguous [layers, 2, blocks, kv heads, block size, head dim] pool");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [tokens, hidden]");
+    const int64_t T = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor hidden = x;
+    torch::Tensor residual;  // the un-normalised stream; the first norm starts it from x itself
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& layer = layers_[i];
+      torch::Tensor h = add_and_norm(hidden, residual, layer.input_norm);
+      torch::Tensor qkv = layer.qkv(h);  // [T, q_size + 2 kv_size]
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_dim_});
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_dim_});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_dim_});
+      if (layer.q_norm.has_value()) {
+        q = rms_norm(q.reshape({-1, head_dim_}), c10::nullopt, *layer.q_norm, eps_).view({T, num_heads_, head_dim_});
+        k = rms_norm(k.reshape({-1, head_dim_}), c10::nullopt, *layer.k_norm, eps_).view({T, num_kv_heads_, head_dim_});
+      }
+      const torch::Tensor k_cache = kv_cache.select(0, i).select(0, 0);
+      const torch::Tensor v_cache = kv_cache.select(0, i).select(0, 1);
+      rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping);
+      torch::Tensor attended = torch::empty({T, num_heads_, head_dim_}, x.options());
+      paged_attention_short(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_indices, scale_, attended);
+      hidden = layer.o(attended.view({T, q_size}));
+      h = add_and_norm(hidden, residual, layer.post_attention_norm);
+      hidden = layer.down(silu_and_mul(layer.gate_up(h)));
+    }
+    return add_and_norm(hidden, residual, final_norm_);
+  }
+
+ private:
+  // rms_norm(x + residual) with residual updated in place; the first call adopts x as the residual
+  // (as llama.py does), so x must not be written afterwards: it is a fresh tensor or the caller's
+  // embeddings, which rms_norm only reads here.
+  torch::Tensor add_and_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight) const {
+    if (!residual.defined()) {
+      residual = x.clone();  // the caller's x stays untouched
+      return rms_norm(x, c10::nullopt, weight, eps_);
+    }
+    return rms_norm(x, residual, weight, eps_);
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  torch::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+void bind_decoder_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer of a Llama-family model in one native call")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("final_norm"))
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace ferry

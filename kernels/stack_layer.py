@@ -1,0 +1,26 @@
+"""What `kernels.decoder_stack` takes per decoder layer (plain data: no backend imported here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    """One decoder layer's tensors (worker/models/llama.py's DecoderLayer). The four projections
+    are weights as `kernels.pack_linear_weight` returned them."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    q_norm: torch.Tensor | None  # [head_dim], Qwen3's per-head norms, else None
+    k_norm: torch.Tensor | None
+    qkv: object  # packed [hidden] -> [(heads + 2 kv heads) * head_dim]
+    qkv_bias: torch.Tensor | None
+    o: object
+    o_bias: torch.Tensor | None
+    gate_up: object  # [hidden] -> [2 * intermediate]: gate then up
+    gate_up_bias: torch.Tensor | None
+    down: object
+    down_bias: torch.Tensor | None

@@ -1,0 +1,84 @@
+"""The native decoder stack (every layer in one call, for decode and verification steps) gives
+the same floats as the model's layer-by-layer path, for each architecture's variations
+(grouped-query attention, q/k/v biases, q/k norms), and stands aside for prefill chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine import Engine
+from worker.engine.model_runner import SeqChunk
+
+BLOCK = 16
+
+
+def _engine(model_dir, dtype: str = "float32") -> Engine:
+    return Engine(str(model_dir), dtype=dtype, kv_cache_bytes=8 << 20, max_model_len=256)
+
+
+def _tables(lengths: list[int], first_block: int = 1) -> list[list[int]]:
+    """Disjoint block tables with room for each context plus a verification run."""
+    tables, next_block = [], first_block
+    for length in lengths:
+        count = -(-(length + 32) // BLOCK)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    return tables
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_stack_matches_layer_by_layer(tiny_model_factory, arch):
+    runner = _engine(tiny_model_factory(arch)).runner
+    model = runner.model
+    stack = model.native_stack
+    assert stack is not None and stack.num_layers == len(model.layers)
+    vocab = model.arch.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    contexts = [53, 17, 5, 130]
+    tables = _tables(contexts)
+    prompts = [torch.randint(vocab, (n,), generator=generator).tolist() for n in contexts]
+    # Contexts written by a prefill step (chunks longer than the native attention's limit).
+    runner.forward([SeqChunk(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    # One decode step and verification runs of 4 and 16 (the native attention's limit) in one batch.
+    query_lens = [1, 4, 16, 1]
+    step = [
+        SeqChunk(torch.randint(vocab, (q,), generator=generator).tolist(), n, t, q)
+        for q, n, t in zip(query_lens, contexts, tables, strict=True)
+    ]
+
+    stacked = runner.forward(step)
+    kv_stacked = runner.kv_cache.clone()
+    runner.kv_cache.zero_()  # the KV the step writes must come back from the other path too
+    model.native_stack = None
+    runner.forward([SeqChunk(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    layer_by_layer = runner.forward(step)
+
+    assert stacked.shape == (sum(query_lens), vocab)
+    assert torch.equal(stacked, layer_by_layer)
+    assert torch.equal(kv_stacked, runner.kv_cache)
+
+
+def test_stack_runs_only_short_query_steps(llama_dir):
+    runner = _engine(llama_dir).runner
+    stack = runner.model.native_stack
+    table = _tables([40])[0]
+    tokens = list(range(3, 43))
+
+    def attempt(chunk: SeqChunk):
+        inputs = runner.prepare([chunk])
+        embeddings = runner.model.embed_tokens(inputs.input_ids)
+        return stack.forward(
+            embeddings, inputs.positions, runner.model.cos_sin, runner.kv_cache, inputs.slot_mapping, inputs.attention
+        )
+
+    with torch.inference_mode():
+        assert attempt(SeqChunk(tokens, 0, table, 1)) is None  # a 40-token prefill chunk: layer by layer
+        hidden = attempt(SeqChunk(tokens[:16], 24, table, 16))  # 16 tokens: the native limit
+    assert hidden is not None and hidden.shape == (16, runner.model.arch.hidden_size)
+    assert torch.isfinite(hidden).all()
+
+
+def test_half_precision_models_run_layer_by_layer(llama_dir):
+    # Only float32 weights are packed for the native products, so there is no stack to run.
+    assert _engine(llama_dir, dtype="bfloat16").runner.model.native_stack is None
