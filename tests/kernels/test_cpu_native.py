@@ -196,6 +196,20 @@ def test_packed_linear_matches_f_linear(rows, n, k, with_bias):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (200, 96), (49, 33)])
+def test_packed_linear_gives_a_row_the_same_floats_in_any_batch(n, k):
+    """A row alone (decode at batch 1, its own kernel) and the same row among others (a batch, a
+    verification run) are summed in the same order: bit-identical, which keeps greedy
+    speculative decoding token-identical to plain decoding."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu_native.pack_weight(weight)
+    x = torch.randn(7, k, generator=gen)
+    batch = cpu_native.linear(x, packed, bias)
+    for r in range(7):
+        assert torch.equal(cpu_native.linear(x[r : r + 1], packed, bias)[0], batch[r])
+
+
 def test_packed_linear_keeps_leading_dims_and_large_row_blocks():
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(40, 1536, generator=gen)  # K large enough that x is cut into row blocks
