@@ -54,6 +54,32 @@ def _take_one(env, worker_id: str = "w1"):
     return consumer, starts[0]
 
 
+def test_read_takes_the_highest_priority_first_and_no_more_than_the_room(env):
+    client, keys, _ = env
+    consumer = _consumer(env, "w1")
+    job_ids: dict[str, list[str]] = {"high": [], "normal": [], "low": []}
+    for priority in ("low", "normal", "high", "normal", "low"):
+        request = JobRequest(model="m", prompt=priority, max_tokens=2, priority=priority)
+        job_ids[priority].append(enqueue_job(client, keys, request).job_id)
+
+    first = consumer.read(room=3, block_ms=0)
+    assert [d.fields["job_id"] for d in first] == job_ids["high"] + job_ids["normal"]
+    assert [d.stream for d in first] == [keys.queue("m", "high")] + [keys.queue("m", "normal")] * 2
+    # The rest waited in Redis (visible to other workers), and comes with the next read.
+    assert [d.fields["job_id"] for d in consumer.read(room=8, block_ms=0)] == job_ids["low"]
+    assert consumer.read(room=8, block_ms=0) == []
+
+
+def test_read_recreates_a_missing_consumer_group(env):
+    client, keys, _ = env
+    consumer = _consumer(env, "w1")
+    for stream in keys.queues("m"):
+        client.delete(stream)  # as after a Redis restart with nothing persisted
+    assert consumer.read(room=4, block_ms=0) == []
+    job_id = enqueue_job(client, keys, JobRequest(model="m", prompt="hi", max_tokens=2)).job_id
+    assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [job_id]
+
+
 def _done(seq: int) -> CompletedEvent:
     return CompletedEvent(seq=seq, finish_reason="length", usage=Usage(completion_tokens=2), timings=Timings())
 
