@@ -231,6 +231,51 @@ def test_governor_repeats_a_probe_that_could_not_be_timed():
     assert [governor.choose(8) for _ in range(7)] == [False] * 7
 
 
+def _plain_wins(governor: SpecGovernor, plain_step: float) -> None:
+    """Measure both sides once (min_samples=1): speculation 0.125 s a step, plain `plain_step`."""
+    for speculate in (True, False):
+        assert governor.choose(8) is speculate
+        governor.observe(8, speculate, 8, 0.125 if speculate else plain_step)
+    assert governor.choose(8) is False
+    governor.observe(8, False, 8, plain_step)
+    assert governor.choose(8) is True  # the first probe, after the interval: nothing paid for yet
+
+
+def _plain_steps_before_the_next_probe(governor: SpecGovernor, plain_step: float, limit: int = 2000) -> int:
+    steps = 0
+    while steps < limit and not governor.choose(8):
+        governor.observe(8, False, 8, plain_step)
+        steps += 1
+    return steps
+
+
+def test_governor_spaces_probes_by_what_they_cost():
+    # Binary fractions throughout, so the budget arithmetic is exact.
+    governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=2, probe_budget=0.125)
+    plain_step = 1 / 64  # 8 tokens: 512 tokens/s
+    _plain_wins(governor, plain_step)
+    governor.observe(8, True, 8, 0.125)  # the probe: 0.109375 s more than plain would have taken
+    # The next probe waits until plain steps have run 0.109375 / 0.125 = 0.875 s: 56 steps, not 2.
+    assert _plain_steps_before_the_next_probe(governor, plain_step) == 56
+
+
+def test_governor_stops_probing_when_catching_up_costs_more_than_the_budget():
+    governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=2, probe_budget=0.125)
+    plain_step = 1 / 64
+    governor.note_running(["a", "b"])
+    _plain_wins(governor, plain_step)
+    # The draft first catches up on the 2 decisions it missed: 0.25 s, 0.117 s a decision beyond
+    # plain, more than the budget's 0.002 s of each plain step. A later probe would catch up on
+    # more: none comes while these requests run ...
+    governor.observe(8, True, 8, 0.25, timed=False)
+    governor.unmeasured(8)
+    assert governor.choose(8) is True  # (the untimed probe is repeated once, to be measured)
+    governor.observe(8, True, 8, 0.125)
+    assert _plain_steps_before_the_next_probe(governor, plain_step) == 2000
+    governor.note_running(["c", "d"])  # ... and new ones are measured afresh
+    assert governor.choose(8) is True
+
+
 def test_governor_measures_afresh_when_the_running_requests_turn_over():
     governor = SpecGovernor(min_samples=2, probe_every=64, max_probe_every=128)
     governor.note_running(["a", "b", "c", "d"])

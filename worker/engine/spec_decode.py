@@ -108,15 +108,18 @@ class SpecDecoder:
         if self.governor is None:
             return
         speculated = any(r.spec.token_ids for r in requests)
-        # A prefill chunk in the step would make both sides look slow; a draft that first caught
-        # up on many tokens (a prompt, a long plain stretch) paid a one-off cost, not speculation's.
-        if not all(r.num_tokens - r.num_computed_tokens == 1 for r in requests) or (
-            speculated and self.proposer.catch_up_tokens > self.config.num_speculative_tokens + 1
-        ):
+        # A prefill chunk in the step would make both sides look slow: not the decision's doing.
+        if not all(r.num_tokens - r.num_computed_tokens == 1 for r in requests):
             self.governor.unmeasured(self._batch_size)
             return
+        # A draft that first caught up on many tokens (a prompt, a long plain stretch) paid a
+        # one-off cost: no measure of speculation's speed, but part of what a probe costs.
+        caught_up = speculated and self.proposer.catch_up_tokens > self.config.num_speculative_tokens + 1
         tokens = sum(len(t) for t in sampled.values())
-        self.governor.observe(self._batch_size, speculated, tokens, time.perf_counter() - self._step_start)
+        seconds = time.perf_counter() - self._step_start
+        self.governor.observe(self._batch_size, speculated, tokens, seconds, timed=not caught_up)
+        if caught_up:
+            self.governor.unmeasured(self._batch_size)
 
     def record(self, request: Request, num_accepted: int) -> None:
         """Count one verification of `request.spec.token_ids` and update the request's acceptance."""
