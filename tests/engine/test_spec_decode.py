@@ -259,20 +259,22 @@ def test_governor_spaces_probes_by_what_they_cost():
     assert _plain_steps_before_the_next_probe(governor, plain_step) == 56
 
 
-def test_governor_stops_probing_when_catching_up_costs_more_than_the_budget():
+@pytest.mark.parametrize(("seconds_per_token", "plain_steps"), [(1 / 1024, 2000), (1 / 16384, 1)])
+def test_governor_runs_the_draft_again_only_where_catching_up_fits_the_budget(seconds_per_token, plain_steps):
     governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=2, probe_budget=0.125)
-    plain_step = 1 / 64
+    plain_step = 1 / 64  # 8 tokens
     governor.note_running(["a", "b"])
-    _plain_wins(governor, plain_step)
-    # The draft first catches up on the 2 decisions it missed: 0.25 s, 0.117 s a decision beyond
-    # plain, more than the budget's 0.002 s of each plain step. A later probe would catch up on
-    # more: none comes while these requests run ...
-    governor.observe(8, True, 8, 0.25, timed=False)
+    assert governor.choose(8) is True  # the first measurement; the draft first feeds on the prompts:
+    governor.observe(8, True, 8, 256 * seconds_per_token, caught_up_tokens=256)
     governor.unmeasured(8)
-    assert governor.choose(8) is True  # (the untimed probe is repeated once, to be measured)
+    assert governor.choose(8) is True  # nothing missed since: measured now
     governor.observe(8, True, 8, 0.125)
-    assert _plain_steps_before_the_next_probe(governor, plain_step) == 2000
-    governor.note_running(["c", "d"])  # ... and new ones are measured afresh
+    assert governor.choose(8) is False
+    governor.observe(8, False, 8, plain_step)  # plain is faster
+    # Each plain step leaves the draft 8 tokens to catch up on: 1/128 s of a 1/64 s step, over the
+    # budget's eighth, so no probe while these requests run; at 1/2048 s, the probe after the interval.
+    assert _plain_steps_before_the_next_probe(governor, plain_step) == plain_steps
+    governor.note_running(["c", "d"])  # new requests are measured afresh
     assert governor.choose(8) is True
 
 

@@ -46,7 +46,7 @@ class NgramProposer:
     """Prompt lookup: text that repeats (code edits, quoting, summaries) proposes its own continuation.
     A proposal is deterministic given the tokens, so the verifier treats it as a point mass."""
 
-    catch_up_tokens = 0  # no model to feed
+    catch_up_tokens = catch_up_total = 0  # no model to feed
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
@@ -102,10 +102,11 @@ class DraftProposer:
         self.kv = kv
         self.vocab_size = vocab_size  # the target's: q must be over the same ids as p
         self.catch_up_tokens = 0  # longest first-pass chunk of the last propose(): a whole prompt the first time
+        self.catch_up_total = 0  # all requests' first-pass tokens in the last propose()
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> None:
-        self.catch_up_tokens = 0
+        self.catch_up_tokens = self.catch_up_total = 0
         active, counts = [], []
         for request, k in zip(requests, num_tokens, strict=True):
             spec = request.spec
@@ -131,6 +132,7 @@ class DraftProposer:
                     start = request.spec.num_draft_computed
                     chunks.append(SeqChunk(request.all_token_ids[start:], start, request.block_ids, 1))
                     self.catch_up_tokens = max(self.catch_up_tokens, request.num_tokens - start)
+                    self.catch_up_total += request.num_tokens - start
                 else:
                     chunks.append(SeqChunk(drafted[i][-1:], request.num_tokens + step - 1, request.block_ids, 1))
             rows = [SamplingRow(active[i], list(drafted[i])) for i in live]

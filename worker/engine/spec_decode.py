@@ -50,6 +50,7 @@ class SpecDecodeStats:
 
 class Proposer(Protocol):
     catch_up_tokens: int  # the most tokens one request fed the proposer's model this step before proposing
+    catch_up_total: int  # the tokens all requests fed it this step before proposing
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> None:
         """Set up to num_tokens[i] proposals on requests[i].spec (token_ids, and draft_probs
@@ -113,11 +114,13 @@ class SpecDecoder:
             self.governor.unmeasured(self._batch_size)
             return
         # A draft that first caught up on many tokens (a prompt, a long plain stretch) paid a
-        # one-off cost: no measure of speculation's speed, but part of what a probe costs.
+        # one-off cost: no measure of speculation's speed, but what catching up costs.
         caught_up = speculated and self.proposer.catch_up_tokens > self.config.num_speculative_tokens + 1
         tokens = sum(len(t) for t in sampled.values())
         seconds = time.perf_counter() - self._step_start
-        self.governor.observe(self._batch_size, speculated, tokens, seconds, timed=not caught_up)
+        self.governor.observe(
+            self._batch_size, speculated, tokens, seconds, self.proposer.catch_up_total if caught_up else 0
+        )
         if caught_up:
             self.governor.unmeasured(self._batch_size)
 

@@ -14,15 +14,18 @@ when the running requests have turned over (fewer than half of them were running
 governor last started measuring) every bucket starts afresh: a server that moves from free text
 to code edits re-measures in a few steps instead of waiting out a long probe interval.
 
-A probe costs more than its own step: a draft model that proposed nothing for a while first
-catches up on every token since (at batch 8, 25 plain steps' tokens took 36 ms against 1.8 ms a
-plain step here). So the governor keeps what the last probe cost, its steps' time beyond what
-the faster side would have taken for the same tokens, in two parts: the catch-up, which grows
-with the decisions since the probe before (so it is kept per decision), and the rest. The next
-probe starts only once the faster side's time since the last one, times `probe_budget`, covers
-what a probe would cost then: probing costs at most that share of the time. Where catching up
-alone costs more than that share of each step, there is no further probe until the running
-requests turn over.
+A probe costs more than its step's own time, and the governor keeps it to `probe_budget` (5%)
+of the time, in two parts:
+- per batch size, what the last probe's timed steps took beyond what the faster side would
+  have for the same tokens: the next probe waits until the faster side has run for 1 /
+  `probe_budget` times that;
+- for the whole engine, the catch-up: a draft model that proposed nothing for a while first
+  feeds on every token since (at batch 8, 25 plain steps' tokens took 36 ms against 1.8 ms a
+  plain step here). The governor keeps the last catch-up's seconds per token and counts the
+  tokens decided plain since speculation last ran; it lets speculation run again (a probe, or a
+  batch size's first measurement) only while catching up would cost at most `probe_budget` of
+  the plain steps' time since. Where catching up costs more than that share of every step, the
+  draft stays idle until the running requests turn over, which also clears these counts.
 
 A probe must come back with a measurement: a step that cannot be timed (the draft first caught
 up on the tokens of a long plain stretch, or a prefill chunk shared the step) would otherwise
@@ -64,10 +67,7 @@ class _Bucket:
     probing: bool = False  # the last decision measured the slower side
     retry: bool = False  # that probe went untimed: the next decision probes again
     retries: int = 0  # untimed steps of the current probe so far
-    # What the last probe cost: seconds its steps took beyond the faster side's time for their tokens.
-    probe_cost: float = 0.0  # its timed steps
-    catch_up_cost: float = 0.0  # its catch-up steps (the draft feeding on what it had missed) ...
-    absent: int = 0  # ... after this many decisions since the probe before
+    probe_cost: float = 0.0  # seconds the last probe's timed steps took beyond the faster side's time for their tokens
     banked: float = 0.0  # seconds of steps on the faster side since that probe began
 
 
@@ -79,6 +79,9 @@ class SpecGovernor:
     probe_budget: float = 0.05  # probes may cost at most this share of the time spent on the faster side
     _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
     _measured_on: frozenset[str] = frozenset()  # ids of the requests running when the measurements began
+    _catch_up_per_token: float = 0.0  # seconds the proposer's last catch-up took per token it fed
+    _missed_tokens: int = 0  # tokens decided plain since speculation last ran (one per running request a step)
+    _plain_seconds: float = 0.0  # time of plain decode steps since speculation last ran
     resets: int = 0  # times the measurements started afresh (for tests and stats)
 
     def note_running(self, request_ids: list[str]) -> None:
@@ -91,9 +94,22 @@ class SpecGovernor:
                 self.resets += 1
             self._buckets.clear()
             self._measured_on = current
+            self._missed_tokens, self._plain_seconds = 0, 0.0
 
     def choose(self, batch_size: int) -> bool:
         """Whether requests may propose in a step of `batch_size` running requests."""
+        speculate = self._choose_for(batch_size) and not self._catch_up_too_dear()
+        if speculate:
+            self._missed_tokens, self._plain_seconds = 0, 0.0
+        else:
+            self._missed_tokens += batch_size
+        return speculate
+
+    def _catch_up_too_dear(self) -> bool:
+        return self._catch_up_per_token * self._missed_tokens > self.probe_budget * self._plain_seconds
+
+    def _choose_for(self, batch_size: int) -> bool:
+        """The batch size's own choice: measure both sides, then the faster, probing the slower."""
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
         for side, speculate in ((bucket.speculating, True), (bucket.plain, False)):
             if side.samples < self.min_samples:
@@ -104,22 +120,15 @@ class SpecGovernor:
             return not faster
         if faster != bucket.faster:
             bucket.faster, bucket.interval, bucket.since_probe = faster, self.probe_every, 0
-            bucket.probe_cost = bucket.catch_up_cost = bucket.banked = 0.0
+            bucket.probe_cost = bucket.banked = 0.0
         bucket.since_probe += 1
-        if bucket.since_probe < bucket.interval or bucket.banked * self.probe_budget < self._next_probe_cost(bucket):
+        if bucket.since_probe < bucket.interval or bucket.banked * self.probe_budget < bucket.probe_cost:
             bucket.probing = False
             return faster
-        bucket.absent, bucket.since_probe = bucket.since_probe, 0
-        bucket.interval = min(2 * bucket.interval, self.max_probe_every)
+        bucket.since_probe, bucket.interval = 0, min(2 * bucket.interval, self.max_probe_every)
         bucket.probing, bucket.retries = True, 0
-        bucket.probe_cost = bucket.catch_up_cost = bucket.banked = 0.0
+        bucket.probe_cost = bucket.banked = 0.0
         return not faster
-
-    @staticmethod
-    def _next_probe_cost(bucket: _Bucket) -> float:
-        """What a probe now would cost, from the last one: its catch-up scaled to the decisions since."""
-        catch_up_per_decision = bucket.catch_up_cost / bucket.absent if bucket.absent else 0.0
-        return bucket.probe_cost + catch_up_per_decision * bucket.since_probe
 
     def unmeasured(self, batch_size: int) -> None:
         """The step just decided could not be timed; if it was a probe, the next decision repeats it."""
@@ -128,11 +137,18 @@ class SpecGovernor:
             bucket.retries += 1
             bucket.retry = True
 
-    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float, timed: bool = True) -> None:
-        """One decode-only step: `tokens` emitted in `seconds`, proposals verified or not. An
-        untimed step (`timed=False`: the draft caught up first) counts toward what a probe
-        costs, not toward either side's speed."""
+    def observe(
+        self, batch_size: int, speculated: bool, tokens: int, seconds: float, caught_up_tokens: int = 0
+    ) -> None:
+        """One decode-only step: `tokens` emitted in `seconds`, proposals verified or not.
+        `caught_up_tokens`: the proposer first fed this many tokens it had missed (a prompt, a
+        plain stretch); such a step is no measure of speculation's speed, only of catching up."""
         if seconds <= 0:
+            return
+        if not speculated:
+            self._plain_seconds += seconds
+        if caught_up_tokens:
+            self._catch_up_per_token = seconds / caught_up_tokens
             return
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
         side = bucket.speculating if speculated else bucket.plain
@@ -141,12 +157,6 @@ class SpecGovernor:
                 bucket.banked += seconds
             else:
                 faster_side = bucket.speculating if bucket.faster else bucket.plain
-                extra = max(0.0, seconds - tokens / faster_side.rate)
-                if timed:
-                    bucket.probe_cost += extra
-                else:
-                    bucket.catch_up_cost += extra
-        if not timed:
-            return
+                bucket.probe_cost += max(0.0, seconds - tokens / faster_side.rate)
         side.recent.append(tokens / seconds)
         side.samples += 1
