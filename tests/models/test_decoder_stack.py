@@ -30,10 +30,20 @@ def _tables(lengths: list[int], first_block: int = 1) -> list[list[int]]:
 # Odd shapes: q heads wider than the hidden size, one KV head, widths that are no multiple of the
 # products' 16-column panels, a head dim off the attention's register paths.
 ODD_SHAPE = dict(hidden_size=72, num_heads=3, num_kv_heads=1, head_dim=40)
-CASES = [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}), ("llama", ODD_SHAPE), ("qwen3", ODD_SHAPE)]
+# And widths that are no multiple of the 8-float vectors anywhere (hidden 36, head dim 12).
+NARROW = dict(hidden_size=36, num_heads=3, num_kv_heads=3, head_dim=12)
+CASES = [
+    ("llama", {}),
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("llama", ODD_SHAPE),
+    ("qwen3", ODD_SHAPE),
+    ("qwen2", NARROW),
+]
 
 
-@pytest.mark.parametrize(("arch", "shape"), CASES, ids=[f"{a}-{'odd' if s else 'default'}" for a, s in CASES])
+@pytest.mark.parametrize(("arch", "shape"), CASES, ids=[f"{a}-{s.get('hidden_size', 'default')}" for a, s in CASES])
 def test_stack_matches_layer_by_layer(tiny_model_factory, arch, shape):
     runner = _engine(tiny_model_factory(arch, **shape)).runner
     model = runner.model
