@@ -12,6 +12,10 @@ Systems:
 
 Reported per system: output tokens/s (useful tokens only), wall time, TTFT and TBT percentiles;
 for Ferry also KV memory: allocated token slots actually holding KV, and the pool reserved.
+Ferry runs first and again after each baseline; a ratio divides the mean of the two Ferry runs
+beside that baseline by it (this machine's speed drifts within minutes), and Ferry's reported
+figures are its median run. Batch-1 decode steps are set against the weight-read floor in
+alternation (see batch1_over_floor).
 
     python -m bench.throughput --n 64            # the full workload (slow baselines: ~20 min here)
     python -m bench.throughput --n 16 --systems ferry,hf-static8
@@ -263,6 +267,17 @@ def run_hf_continuous(model_dir, work: Workload, bar: tqdm) -> SystemResult:
     return SystemResult("hf-cb", wall, tokens, ttft, tbt)
 
 
+def _run_system(system: str, model_dir, work: Workload, args) -> SystemResult:
+    with tqdm(total=work.output_tokens, desc=system, unit="tok", file=sys.stderr) as bar:
+        if system == "ferry":
+            return run_ferry(model_dir, work, args.max_num_seqs, bar)
+        if system == "hf-single":
+            return run_hf_batches(model_dir, work, 1, bar)
+        if system == "hf-static8":
+            return run_hf_batches(model_dir, work, 8, bar)
+        return run_hf_continuous(model_dir, work, bar)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=64, help="requests (every system runs the same list)")
@@ -287,17 +302,19 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     work = Workload.make(args.n, vocab, args.seed)
-    results = []
-    for system in systems:
-        with tqdm(total=work.output_tokens, desc=system, unit="tok", file=sys.stderr) as bar:
-            if system == "ferry":
-                results.append(run_ferry(model_dir, work, args.max_num_seqs, bar))
-            elif system == "hf-single":
-                results.append(run_hf_batches(model_dir, work, 1, bar))
-            elif system == "hf-static8":
-                results.append(run_hf_batches(model_dir, work, 8, bar))
-            else:
-                results.append(run_hf_continuous(model_dir, work, bar))
+    # Ferry runs before the first baseline and again after each one, and each ratio takes the
+    # mean of the two Ferry runs beside its baseline: this machine's speed drifts by up to 25%
+    # within minutes, and a baseline runs for 5-11 of them.
+    baselines = [s for s in systems if s != "ferry"]
+    ferry_runs = [_run_system("ferry", model_dir, work, args)] if "ferry" in systems else []
+    baseline_results = []
+    for system in baselines:
+        baseline_results.append(_run_system(system, model_dir, work, args))
+        if ferry_runs:
+            ferry_runs.append(_run_system("ferry", model_dir, work, args))
+    results = baseline_results
+    if ferry_runs:
+        results = [sorted(ferry_runs, key=lambda r: r.output_tokens / r.wall_s)[len(ferry_runs) // 2], *baseline_results]
     sweep, floor = [], None
     if "ferry" in systems and args.sweep:
         sweep = run_sweep(model_dir, work, [int(c) for c in args.sweep.split(",") if c])
@@ -313,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
             "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in tbt.items()},
         })
     summaries = [r.summary() for r in results]
-    by_name = {s["system"]: s for s in summaries}
     ratios = {}
-    if "ferry" in by_name:
-        for name, s in by_name.items():
-            if name != "ferry":
-                ratios[f"ferry_over_{name}"] = round(by_name["ferry"]["tokens_per_s"] / s["tokens_per_s"], 2)
+    ferry_rates = [r.output_tokens / r.wall_s for r in ferry_runs]
+    for i, baseline in enumerate(baseline_results):
+        if ferry_rates:
+            beside = statistics.mean(ferry_rates[i : i + 2])  # the Ferry runs just before and after it
+            ratios[f"ferry_over_{baseline.system}"] = round(beside / (baseline.output_tokens / baseline.wall_s), 2)
     path = write_result(
         "throughput",
         {
@@ -329,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": summaries,
             "ratios": ratios,
+            "ferry_runs_tokens_per_s": [round(r, 2) for r in ferry_rates],  # in run order, around the baselines
             "concurrency_sweep": sweep,
             "weight_read_floor": floor,
         },
