@@ -78,11 +78,15 @@ def throughput_rows(data: dict) -> list[Row]:
     if ferry is None:
         return []
     n = _get(data, "workload", "n")
+    # Ferry runs before and after each baseline where the run recorded them (in run order, one
+    # more than the baselines); each baseline is set against the mean of the two beside it.
+    ferry_runs = data.get("ferry_runs_tokens_per_s") or []
+    baselines = [name for name in by_system if name != "ferry"]
     rows = []
-    for name, r in by_system.items():
-        if name == "ferry":
-            continue
-        rows.append(Row("throughput", f"output tok/s, {n} requests", ferry.get("tokens_per_s"), r.get("tokens_per_s"), name, True))
+    for i, name in enumerate(baselines):
+        beside = ferry_runs[i : i + 2] if len(ferry_runs) == len(baselines) + 1 else [ferry.get("tokens_per_s")]
+        rows.append(Row("throughput", f"output tok/s, {n} requests", statistics.mean(beside),
+                        by_system[name].get("tokens_per_s"), name, True))
     return rows
 
 

@@ -51,6 +51,14 @@ LINEAR_CPU = {
 KERNELS = {"machine": {"gpu": "H100"}, "decode": {"bandwidth_ratio": 0.8, "acceptance_rate": 0.7}, "note": "text"}
 
 
+def test_throughput_sets_each_baseline_against_the_ferry_runs_beside_it():
+    data = json.loads(json.dumps(THROUGHPUT))
+    data["results"].append({"system": "hf-single", "tokens_per_s": 10.0})
+    data["ferry_runs_tokens_per_s"] = [80.0, 100.0, 60.0]  # ferry, hf-static8, ferry, hf-single, ferry
+    rows = report.rows_for("throughput", data)
+    assert [(r.baseline_name, r.ferry, round(r.factor, 2)) for r in rows] == [("hf-static8", 90.0, 2.0), ("hf-single", 80.0, 8.0)]
+
+
 def test_rows_are_factors_above_one_when_ferry_is_better():
     rows = report.rows_for("throughput", THROUGHPUT) + report.rows_for("prefix", PREFIX)
     assert [(r.baseline_name, round(r.factor, 2)) for r in rows] == [
