@@ -79,20 +79,25 @@ return lost
 # KEYS: the queue streams, highest priority first; ARGV: group, consumer, most entries to take.
 # XREADGROUP each stream in turn until the count is met: strict priority in one round trip
 # (a read per stream from Python was three round trips on every intake, and three more to see
-# that nothing else had arrived). Returns {stream, {{id, {field, value, ...}}, ...}} per stream read.
+# that nothing else had arrived). A stream without the group (Redis restarted empty, a stream
+# deleted) is skipped, not an error: what the others gave is already pending here and must come
+# back. Returns {{stream, {{id, {field, value, ...}}, ...}} per stream read, {streams without the group}}.
 _READ_LUA = """
-local out = {}
+local out, missing = {}, {}
 local left = tonumber(ARGV[3])
 for i = 1, #KEYS do
   if left <= 0 then break end
-  local answer = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
-  if answer then
+  local answer = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
+  if type(answer) == 'table' and answer.err then
+    if not string.find(answer.err, 'NOGROUP') then return redis.error_reply(answer.err) end
+    table.insert(missing, KEYS[i])
+  elseif answer then
     local entries = answer[1][2]
     left = left - #entries
     table.insert(out, {KEYS[i], entries})
   end
 end
-return out
+return {out, missing}
 """
 
 
@@ -169,18 +174,10 @@ class Consumer:
         return out
 
     def _read_by_priority(self, room: int) -> list[Delivery]:
-        try:
-            answer = self._read(keys=self.streams, args=[self.keys.group, self.worker_id, room])
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
+        read, missing = self._read(keys=self.streams, args=[self.keys.group, self.worker_id, room])
+        if missing:
             self.ensure_groups()
-            return []
-        return [
-            Delivery(stream, entry_id, _pairs_to_dict(fields))
-            for stream, entries in answer
-            for entry_id, fields in entries
-        ]
+        return [Delivery(stream, entry_id, _pairs_to_dict(fields)) for stream, entries in read for entry_id, fields in entries]
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None) -> list[Delivery]:
         try:

@@ -80,6 +80,17 @@ def test_read_recreates_a_missing_consumer_group(env):
     assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [job_id]
 
 
+def test_read_keeps_what_it_took_when_a_later_stream_lost_its_group(env):
+    client, keys, _ = env
+    consumer = _consumer(env, "w1")
+    high = enqueue_job(client, keys, JobRequest(model="m", prompt="hi", max_tokens=2, priority="high")).job_id
+    client.delete(keys.queue("m", "low"))
+    # The high entry is now pending under this consumer: it must come back, not wait out a lease.
+    assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [high]
+    low = enqueue_job(client, keys, JobRequest(model="m", prompt="lo", max_tokens=2, priority="low")).job_id
+    assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [low]
+
+
 def _done(seq: int) -> CompletedEvent:
     return CompletedEvent(seq=seq, finish_reason="length", usage=Usage(completion_tokens=2), timings=Timings())
 
