@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -50,6 +51,13 @@ def percentiles(values: list[float], points=(50, 90, 99)) -> dict[str, float | N
         return {f"p{p}": None for p in points}
     ordered = sorted(values)
     return {f"p{p}": ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))] for p in points}
+
+
+def ferry_beside(ferry_runs: list[float], baseline_index: int) -> float:
+    """Ferry's tokens/s set against the `baseline_index`-th baseline of a bracketed run: the mean
+    of the Ferry runs just before and after it (`ferry_runs` in run order, one more than the
+    baselines; bench.throughput)."""
+    return statistics.mean(ferry_runs[baseline_index : baseline_index + 2])
 
 
 def write_result(suite: str, payload: dict, out_dir: Path | None = None) -> Path:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import RESULTS_DIR
+from bench.common import RESULTS_DIR, ferry_beside
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -83,10 +83,10 @@ def throughput_rows(data: dict) -> list[Row]:
     ferry_runs = data.get("ferry_runs_tokens_per_s") or []
     baselines = [name for name in by_system if name != "ferry"]
     rows = []
+    bracketed = len(ferry_runs) == len(baselines) + 1
     for i, name in enumerate(baselines):
-        beside = ferry_runs[i : i + 2] if len(ferry_runs) == len(baselines) + 1 else [ferry.get("tokens_per_s")]
-        rows.append(Row("throughput", f"output tok/s, {n} requests", statistics.mean(beside),
-                        by_system[name].get("tokens_per_s"), name, True))
+        ferry_rate = ferry_beside(ferry_runs, i) if bracketed else ferry.get("tokens_per_s")
+        rows.append(Row("throughput", f"output tok/s, {n} requests", ferry_rate, by_system[name].get("tokens_per_s"), name, True))
     return rows
 
 

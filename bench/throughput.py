@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import percentiles, write_result
+from bench.common import ferry_beside, percentiles, write_result
 from bench.models import smollm2_shaped
 
 SYSTEMS = ("ferry", "hf-single", "hf-static8", "hf-cb")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     ferry_rates = [r.output_tokens / r.wall_s for r in ferry_runs]
     for i, baseline in enumerate(baseline_results):
         if ferry_rates:
-            beside = statistics.mean(ferry_rates[i : i + 2])  # the Ferry runs just before and after it
+            beside = ferry_beside(ferry_rates, i)
             ratios[f"ferry_over_{baseline.system}"] = round(beside / (baseline.output_tokens / baseline.wall_s), 2)
     path = write_result(
         "throughput",
