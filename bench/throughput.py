@@ -107,7 +107,8 @@ def batch1_over_floor(model_dir, pairs: int = 120, context: int = 256) -> dict:
     engine = Engine(str(model_dir), kv_cache_bytes=64 << 20, max_model_len=context + pairs + 64)
     tensors = _weights_a_step_reads(engine.runner.model)
     vocab = engine.arch.vocab_size
-    prompt = [random.Random(0).randrange(vocab) for _ in range(context)]
+    rng = random.Random(0)
+    prompt = [rng.randrange(vocab) for _ in range(context)]
     engine.add_request("batch1", prompt, SamplingParams(max_tokens=pairs + 40, temperature=0.0, ignore_eos=True))
     steps, reads = [], []
     with torch.inference_mode():
