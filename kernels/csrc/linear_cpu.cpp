@@ -203,9 +203,6 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels,
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  // Rows of x per pass over the panels: ~192 KiB of x, which stays in L2 (512 KiB and up) with
-  // the panel being read; a multiple of the micro-kernel's 6 rows.
-  const int64_t block_rows = std::max<int64_t>(kRows, (192 << 10) / (K * 4) / kRows * kRows);
   if (M == 1) {  // decode at batch 1: several panels at a time (vector_against_panels)
     at::parallel_for(0, num_panels, kVectorPanels, [&](int64_t begin, int64_t end) {
       const int64_t full_end = std::min(end, N / kPanel);  // panels with 16 real columns
@@ -220,6 +217,9 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels,
     });
     return out;
   }
+  // Rows of x per pass over the panels: ~192 KiB of x, which stays in L2 (512 KiB and up) with
+  // the panel being read; a multiple of the micro-kernel's 6 rows.
+  const int64_t block_rows = std::max<int64_t>(kRows, (192 << 10) / (K * 4) / kRows * kRows);
   for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
     const int64_t rows = std::min(block_rows, M - m0);
     at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {

@@ -128,6 +128,10 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int64_t* seqs = seq_indices.data_ptr<int64_t>();
+  // Where query i of a (sequence, KV head) writes: row first_row + i / group, head kv_head * group + i % group.
+  const auto out_row = [&](int64_t first_row, int64_t kv_head, int64_t i) {
+    return out_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+  };
   const int64_t tile = block_size * head_dim;
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -234,7 +238,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         continue;
       }
       for (int64_t i = 0; i < num_queries; ++i) {
-        scalar_t* dst = out_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+        scalar_t* dst = out_row(first_row, kv_head, i);
         const float inv = 1.f / row_sum[i];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv);
       }
@@ -262,7 +266,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
           total += weight * st[head_dim + 1];
           for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * st[d];
         }
-        scalar_t* dst = out_ptr + ((first_row + i / group) * num_heads + kv_head * group + i % group) * head_dim;
+        scalar_t* dst = out_row(first_row, kv_head, i);
         const float inv = 1.f / total;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv);
       }
