@@ -194,9 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     for (workload, b, system), tries in runs.items():
         best = max(tries, key=lambda r: r["tokens_per_s"])
         results[workload][f"batch{b}"][system] = best
-        print(f"{workload:8s} batch {b}: {system:8s} {best['tokens_per_s']:7.1f} tok/s"
-              + (f", acceptance {best['acceptance_rate']:.2f}, mean accepted length {best['mean_accepted_length']:.2f}"
-                 if "acceptance_rate" in best else ""), file=sys.stderr)
+        if "num_drafts" not in best:
+            detail = ""
+        elif best["num_drafts"] == 0:  # acceptance 0.00 would read as rejected proposals
+            detail = ", no verifications (the governor kept this run plain)"
+        else:
+            detail = (f", {best['num_drafts']} verifications, acceptance {best['acceptance_rate']:.2f},"
+                      f" mean accepted length {best['mean_accepted_length']:.2f}")
+        print(f"{workload:8s} batch {b}: {system:8s} {best['tokens_per_s']:7.1f} tok/s{detail}", file=sys.stderr)
     for workload in WORKLOADS:
         for b in batches:
             row = results[workload][f"batch{b}"]

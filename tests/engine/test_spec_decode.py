@@ -241,9 +241,12 @@ def _plain_wins(governor: SpecGovernor, plain_step: float) -> None:
     assert governor.choose(8) is True  # the first probe, after the interval: nothing paid for yet
 
 
-def _plain_steps_before_the_next_probe(governor: SpecGovernor, plain_step: float, limit: int = 2000) -> int:
+def _plain_steps_before_the_next_probe(governor: SpecGovernor, plain_step: float, limit: int = 2000,
+                                      missed_per_step: int = 0) -> int:
+    """Plain steps of 8 tokens until the governor speculates; the draft, idle meanwhile, misses
+    `missed_per_step` tokens a step (what the engine's proposer would report as its catch-up)."""
     steps = 0
-    while steps < limit and not governor.choose(8):
+    while steps < limit and not governor.choose(8, missed_per_step * steps):
         governor.observe(8, False, 8, plain_step)
         steps += 1
     return steps
@@ -264,7 +267,7 @@ def test_governor_runs_the_draft_again_only_where_catching_up_fits_the_budget(se
     governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=2, probe_budget=0.125)
     plain_step = 1 / 64  # 8 tokens
     governor.note_running(["a", "b"])
-    assert governor.choose(8) is True  # the first measurement; the draft first feeds on the prompts:
+    assert governor.choose(8, 256) is True  # the first measurement; the draft first feeds on the prompts:
     governor.observe(8, True, 8, 256 * seconds_per_token, caught_up_tokens=256)
     governor.unmeasured(8)
     assert governor.choose(8) is True  # nothing missed since: measured now
@@ -273,23 +276,55 @@ def test_governor_runs_the_draft_again_only_where_catching_up_fits_the_budget(se
     governor.observe(8, False, 8, plain_step)  # plain is faster
     # Each plain step leaves the draft 8 tokens to catch up on: 1/128 s of a 1/64 s step, over the
     # budget's eighth, so no probe while these requests run; at 1/2048 s, the probe after the interval.
-    assert _plain_steps_before_the_next_probe(governor, plain_step) == plain_steps
-    governor.note_running(["c", "d"])  # new requests are measured afresh
-    assert governor.choose(8) is True
+    assert _plain_steps_before_the_next_probe(governor, plain_step, missed_per_step=8) == plain_steps
 
 
-def test_governor_measures_afresh_when_the_running_requests_turn_over():
-    governor = SpecGovernor(min_samples=2, probe_every=64, max_probe_every=128)
+def test_governor_keeps_its_choice_when_the_requests_turn_over_and_probes_again_soon():
+    # A probe costs 0.01 s over plain; a budget of a quarter lets one follow 2 plain steps.
+    governor = SpecGovernor(min_samples=2, probe_every=4, max_probe_every=64, probe_budget=0.25)
+
+    def run(decisions: int) -> list[int]:
+        """Decide and observe `decisions` steps (speculation 0.03 s, plain 0.02 s, 8 tokens each);
+        the indices of those that speculated."""
+        chosen = []
+        for i in range(decisions):
+            speculate = governor.choose(4)
+            governor.observe(4, speculate, 8, 0.03 if speculate else 0.02)
+            chosen += [i] if speculate else []
+        return chosen
+
     governor.note_running(["a", "b", "c", "d"])
-    for speculate, tokens in ((True, 8), (True, 8), (False, 8), (False, 8)):
-        assert governor.choose(4) is speculate
-        governor.observe(4, speculate, tokens, 0.1 if speculate else 0.02)  # plain is 5x faster
-    assert [governor.choose(4) for _ in range(10)] == [False] * 10  # the next probe is 64 decisions away
+    assert run(4) == [0, 1]  # measured: speculation first, then plain, which is faster
+    assert run(4 + 8 + 16 + 32) == [3, 11, 27, 59]  # probes confirm plain at doubling intervals
     governor.note_running(["a", "b", "e", "f"])  # half still running: the same workload
-    assert not governor.choose(4) and governor.resets == 0
-    governor.note_running(["e", "f", "g", "h"])  # all new: their acceptance is unknown
-    assert governor.resets == 1
-    assert governor.choose(4)  # measuring again, speculation first
+    assert run(1) == [] and governor.turnovers == 0
+    governor.note_running(["e", "f", "g", "h"])  # all new: plain stays the choice, no measuring afresh ...
+    assert governor.turnovers == 1
+    # ... but their acceptance is unknown: the next probe comes after probe_every decisions, not 64.
+    assert run(4) == [3]
+
+
+@pytest.mark.parametrize(("spec_step", "catch_up", "expected"), [
+    (0.1, 100, [False] * 4),  # plain won: a 0.1 s catch-up waits for 0.8 s of plain steps, no probe yet
+    (0.1, 0, [False] * 3 + [True]),  # plain won, nothing to catch up on: the probe after probe_every
+    (0.005, 100, [True] * 3 + [False]),  # speculation won: its catch-up is paid at once; plain probed later
+])
+def test_governor_pays_a_new_prompt_catch_up_only_where_speculation_won(spec_step, catch_up, expected):
+    governor = SpecGovernor(min_samples=1, probe_every=4, max_probe_every=4, probe_budget=0.125)
+    governor.note_running(["a"])
+    assert governor.choose(1, 100)  # the first measurement, catch-up included (0.1 s)
+    governor.observe(1, True, 1, 100 / 1024, caught_up_tokens=100)
+    governor.unmeasured(1)
+    assert governor.choose(1)
+    governor.observe(1, True, 3, spec_step)
+    assert not governor.choose(1)
+    governor.observe(1, False, 1, 0.02)
+    governor.note_running(["b"])  # a new request: its whole prompt is the draft's to catch up on
+    decisions = []
+    for _ in range(4):
+        decisions.append(governor.choose(1, catch_up))
+        governor.observe(1, decisions[-1], 3 if decisions[-1] else 1, spec_step if decisions[-1] else 0.02)
+    assert decisions == expected
 
 
 # --- the engine ------------------------------------------------------------------------------------

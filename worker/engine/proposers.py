@@ -56,6 +56,9 @@ class NgramProposer:
         for request, k in zip(requests, num_tokens, strict=True):
             request.spec.token_ids = prompt_lookup(request.all_token_ids, k, self.min_n, self.max_n)
 
+    def pending_catch_up(self, requests: list[Request]) -> int:
+        return 0
+
 
 def load_draft(
     directory: str, target: ModelArch, target_tokenizer, dtype: torch.dtype, device: torch.device, max_model_len: int
@@ -103,6 +106,15 @@ class DraftProposer:
         self.vocab_size = vocab_size  # the target's: q must be over the same ids as p
         self.catch_up_tokens = 0  # longest first-pass chunk of the last propose(): a whole prompt the first time
         self.catch_up_total = 0  # all requests' first-pass tokens in the last propose()
+
+    def pending_catch_up(self, requests: list[Request]) -> int:
+        # A decoding request's first draft pass feeds it everything from its last draft-computed
+        # position (cut back to the verified tokens, as propose() does) to its newest token.
+        return sum(
+            max(0, r.num_tokens - min(r.spec.num_draft_computed, r.num_computed_tokens) - 1)
+            for r in requests
+            if r.num_tokens - r.num_computed_tokens == 1
+        )
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> None:

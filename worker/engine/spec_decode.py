@@ -56,6 +56,10 @@ class Proposer(Protocol):
         """Set up to num_tokens[i] proposals on requests[i].spec (token_ids, and draft_probs
         where they were drawn from a distribution)."""
 
+    def pending_catch_up(self, requests: list[Request]) -> int:
+        """Tokens proposing for `requests` now would first feed the proposer's model, beyond the
+        one each request feeds every time (a new prompt, tokens decided while it was idle)."""
+
 
 class SpecDecoder:
     """Decides who proposes and how many, keeps the statistics, pauses what does not pay."""
@@ -81,7 +85,7 @@ class SpecDecoder:
             return
         if self.governor is not None:
             self.governor.note_running([r.request_id for r in running])
-            if not self.governor.choose(len(running)):
+            if not self.governor.choose(len(running), self.proposer.pending_catch_up(running)):
                 return
         chosen, counts = [], []
         for request in running:

@@ -9,10 +9,15 @@ propose while the median of the first has been the higher, and now and then meas
 slower side again: soon after a change, then at doubling intervals while it stays slower, so
 that probing a loss costs little and a change in load or acceptance still shows.
 
-Measurements describe the requests they were taken on (their acceptance, their lengths), so
-when the running requests have turned over (fewer than half of them were running when the
-governor last started measuring) every bucket starts afresh: a server that moves from free text
-to code edits re-measures in a few steps instead of waiting out a long probe interval.
+When the running requests turn over (fewer than half of them were running at the last
+turnover), each batch size keeps its choice and its measurements, and its probe interval starts
+again from `probe_every`: the new requests' acceptance is unknown, so the slower side is measured
+again soon, but the device, the models and the step's cost per token have not changed, so
+nothing is re-measured from scratch. (Re-measuring both sides for every new batch of requests cost
+a whole draft catch-up and several slow steps each time: 8% of a 256-token batch-8 run.) A server
+that moves from free text to code edits switches within a probe interval, and speculating
+requests that stop being accepted are paused one by one (spec_decode) while the speculating side's
+own recent steps show the slowdown.
 
 A probe costs more than its step's own time, and the governor keeps it to `probe_budget` (5%)
 of the time, in two parts:
@@ -20,12 +25,13 @@ of the time, in two parts:
   have for the same tokens: the next probe waits until the faster side has run for 1 /
   `probe_budget` times that;
 - for the whole engine, the catch-up: a draft model that proposed nothing for a while first
-  feeds on every token since (at batch 8, 25 plain steps' tokens took 36 ms against 1.8 ms a
-  plain step here). The governor keeps the last catch-up's seconds per token and counts the
-  tokens decided plain since speculation last ran; it lets speculation run again (a probe, or a
-  batch size's first measurement) only while catching up would cost at most `probe_budget` of
-  the plain steps' time since. Where catching up costs more than that share of every step, the
-  draft stays idle until the running requests turn over, which also clears these counts.
+  feeds on every token since, a new request's whole prompt included (eight 120-token prompts
+  took 13 ms against 0.8 ms a plain step here). The governor keeps the last catch-up's seconds
+  per token; the caller says how many tokens the proposer would have to catch up on now. A probe
+  or a batch size's first measurement of speculation runs only while that catch-up would cost at
+  most `probe_budget` of the plain steps' time since speculation last ran. Where it would cost
+  more, the draft stays idle; a batch size whose choice is to speculate pays the catch-up, as
+  part of what speculating costs.
 
 A probe must come back with a measurement: a step that cannot be timed (the draft first caught
 up on the tokens of a long plain stretch, or a prefill chunk shared the step) would otherwise
@@ -78,51 +84,55 @@ class SpecGovernor:
     max_probe_every: int = 128  # ... doubling up to this while it stays slower (a probe can cost a few steps)
     probe_budget: float = 0.05  # probes may cost at most this share of the time spent on the faster side
     _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
-    _measured_on: frozenset[str] = frozenset()  # ids of the requests running when the measurements began
+    _measured_on: frozenset[str] = frozenset()  # ids of the requests running at the last turnover
     _catch_up_per_token: float = 0.0  # seconds the proposer's last catch-up took per token it fed
-    _missed_tokens: int = 0  # tokens decided plain since speculation last ran (one per running request a step)
     _plain_seconds: float = 0.0  # time of plain decode steps since speculation last ran
-    resets: int = 0  # times the measurements started afresh (for tests and stats)
+    turnovers: int = 0  # times the running requests turned over (for tests and stats)
 
     def note_running(self, request_ids: list[str]) -> None:
-        """The requests running this step; starts afresh once most of them are new."""
+        """The requests running this step; once most of them are new, every batch size's slower
+        side is measured again within `probe_every` decisions (budget permitting)."""
         current = frozenset(request_ids)
         if not current:
             return
         if len(current & self._measured_on) * 2 < len(current):
-            if self._buckets:
-                self.resets += 1
-            self._buckets.clear()
+            if self._measured_on:
+                self.turnovers += 1
             self._measured_on = current
-            self._missed_tokens, self._plain_seconds = 0, 0.0
+            for bucket in self._buckets.values():
+                bucket.since_probe, bucket.interval = 0, self.probe_every
 
-    def choose(self, batch_size: int) -> bool:
-        """Whether requests may propose in a step of `batch_size` running requests."""
-        speculate = self._choose_for(batch_size) and not self._catch_up_too_dear()
+    def choose(self, batch_size: int, catch_up_tokens: int = 0) -> bool:
+        """Whether requests may propose in a step of `batch_size` running requests.
+        catch_up_tokens: what the proposer would first feed on, beyond one token per request
+        (a new prompt, tokens decided while it was idle)."""
+        speculate = self._choose_for(batch_size, self._catch_up_per_token * catch_up_tokens)
         if speculate:
-            self._missed_tokens, self._plain_seconds = 0, 0.0
-        else:
-            self._missed_tokens += batch_size
+            self._plain_seconds = 0.0
         return speculate
 
-    def _catch_up_too_dear(self) -> bool:
-        return self._catch_up_per_token * self._missed_tokens > self.probe_budget * self._plain_seconds
+    def _affordable(self, catch_up_seconds: float) -> bool:
+        """Whether trying speculation (not known to be faster) may first spend this on catching up."""
+        return catch_up_seconds <= self.probe_budget * self._plain_seconds
 
-    def _choose_for(self, batch_size: int) -> bool:
+    def _choose_for(self, batch_size: int, catch_up_seconds: float) -> bool:
         """The batch size's own choice: measure both sides, then the faster, probing the slower."""
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
-        for side, speculate in ((bucket.speculating, True), (bucket.plain, False)):
-            if side.samples < self.min_samples:
-                return speculate
+        if bucket.speculating.samples < self.min_samples and self._affordable(catch_up_seconds):
+            return True
+        if bucket.plain.samples < self.min_samples or bucket.speculating.samples < self.min_samples:
+            return False
         faster = bucket.speculating.rate >= bucket.plain.rate
         if bucket.retry:
             bucket.retry = False
-            return not faster
+            if faster or self._affordable(catch_up_seconds):
+                return not faster
         if faster != bucket.faster:
             bucket.faster, bucket.interval, bucket.since_probe = faster, self.probe_every, 0
             bucket.probe_cost = bucket.banked = 0.0
         bucket.since_probe += 1
-        if bucket.since_probe < bucket.interval or bucket.banked * self.probe_budget < bucket.probe_cost:
+        if (bucket.since_probe < bucket.interval or bucket.banked * self.probe_budget < bucket.probe_cost
+                or not (faster or self._affordable(catch_up_seconds))):
             bucket.probing = False
             return faster
         bucket.since_probe, bucket.interval = 0, min(2 * bucket.interval, self.max_probe_every)
