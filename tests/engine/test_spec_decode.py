@@ -212,6 +212,19 @@ def test_governor_speculates_where_measured_faster_and_probes_the_other_side():
     assert [governor.choose(8) for _ in range(4)] == [True, True, True, False]
 
 
+def test_governor_switches_on_one_probe_that_finds_the_slower_side_faster_now():
+    governor = SpecGovernor(min_samples=3, probe_every=4, max_probe_every=8, probe_budget=1.0)
+    for speculate in (True, True, True, False, False, False):
+        assert governor.choose(8) is speculate
+        governor.observe(8, speculate, 8, 0.1 if speculate else 0.02)  # 80 vs 400 tokens/s
+    assert _plain_steps_before_the_next_probe(governor, 0.02) == 3  # the probe ...
+    governor.observe(8, True, 40, 0.05)  # ... finds the text repeating: 800 tokens/s, against three stale 80s
+    assert [governor.choose(8) for _ in range(3)] == [True] * 3  # switched at once, not after 2 more probes
+    governor.observe(8, True, 8, 0.1)
+    governor.observe(8, True, 8, 0.1)  # the probe was luck: the median of its side's last three is 80 again
+    assert governor.choose(8) is False
+
+
 def test_governor_repeats_a_probe_that_could_not_be_timed():
     governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=8)
     for speculate in (True, False):

@@ -7,7 +7,11 @@ the governor keeps the emitted tokens per second of recent decode-only steps tha
 proposals and of recent ones that did not, measures a few of each first, then lets requests
 propose while the median of the first has been the higher, and now and then measures the
 slower side again: soon after a change, then at doubling intervals while it stays slower, so
-that probing a loss costs little and a change in load or acceptance still shows.
+that probing a loss costs little and a change in load or acceptance still shows. A probe's timed
+step replaces the slower side's earlier samples, which describe the requests and load of a while
+ago: one probe that finds speculation now faster (the text being generated has started to repeat
+the prompt, say) switches at once, where a median over stale samples would have needed several
+probes at doubling intervals. Were the probe lucky, the side's next steps show it within a few.
 
 When the running requests turn over (fewer than half of them were running at the last
 turnover), each batch size keeps its choice and its measurements, and its probe interval starts
@@ -71,6 +75,7 @@ class _Bucket:
     since_probe: int = 0  # decisions since the slower side was last measured
     interval: int = 0  # decisions between probes: doubles while probes confirm the choice
     probing: bool = False  # the last decision measured the slower side
+    stale: bool = False  # a probe began: its first timed step replaces the slower side's samples
     retry: bool = False  # that probe went untimed: the next decision probes again
     retries: int = 0  # untimed steps of the current probe so far
     probe_cost: float = 0.0  # seconds the last probe's timed steps took beyond the faster side's time for their tokens
@@ -136,7 +141,7 @@ class SpecGovernor:
             bucket.probing = False
             return faster
         bucket.since_probe, bucket.interval = 0, min(2 * bucket.interval, self.max_probe_every)
-        bucket.probing, bucket.retries = True, 0
+        bucket.probing, bucket.retries, bucket.stale = True, 0, True
         bucket.probe_cost = bucket.banked = 0.0
         return not faster
 
@@ -168,5 +173,8 @@ class SpecGovernor:
             else:
                 faster_side = bucket.speculating if bucket.faster else bucket.plain
                 bucket.probe_cost += max(0.0, seconds - tokens / faster_side.rate)
+                if bucket.stale:
+                    side.recent.clear()
+                    bucket.stale = False
         side.recent.append(tokens / seconds)
         side.samples += 1
