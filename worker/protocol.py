@@ -53,6 +53,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from worker import redis_scripts
 from worker.keys import Keys
 
 PROTOCOL_VERSION = 1
@@ -524,11 +525,21 @@ def enqueue_jobs(client, keys: Keys, requests: list[JobRequest], *, job_ids: lis
     """Many jobs in one round trip (sync client), each atomic on its own: a batch arrives at the
     workers together instead of trickling in over many round trips."""
     script = client.register_script(_ENQUEUE_LUA)
-    pipe = client.pipeline(transaction=False)
-    for request, job_id in zip(requests, job_ids or [None] * len(requests), strict=True):
-        redis_keys, args = _enqueue_call(keys, request, job_id, None, 0)
-        script(keys=redis_keys, args=args, client=pipe)
-    return [_enqueue_result(answer) for answer in pipe.execute()]
+    calls = [_enqueue_call(keys, request, job_id, None, 0)
+             for request, job_id in zip(requests, job_ids or [None] * len(requests), strict=True)]
+
+    def build():
+        pipe = client.pipeline(transaction=False)
+        for redis_keys, args in calls:
+            redis_scripts.add(pipe, script, redis_keys, args)
+        return pipe
+
+    # Bare EVALSHAs: redis-py's own pipelined scripts first ask SCRIPT EXISTS, one more round trip.
+    answers = redis_scripts.execute(build, [script])
+    for answer in answers:
+        if isinstance(answer, Exception):
+            raise answer
+    return [_enqueue_result(answer) for answer in answers]
 
 
 def _cancel_call(keys: Keys, job_id: str, result_ttl_s: int):
