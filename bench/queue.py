@@ -44,6 +44,8 @@ import time
 import uuid
 from pathlib import Path
 
+from bench.common import machine
+
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "single_job_added_ttft_p50_ms": _pct([qs - ds for ds, qs in single], 50),
         "single_job_ttft_ms": [{"direct": ds, "queue": qs} for ds, qs in single],
         "all_runs": {"direct": direct, "queue": queued},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": machine() | {"platform": platform.platform()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out = args.out or RESULTS / ("queue-quick.json" if args.quick else "queue.json")
