@@ -17,7 +17,10 @@ Reported per workload, batch size and system: output tokens/s over the whole run
 included), wall seconds, engine steps, the speedup over the baseline, whether the greedy tokens
 equal the baseline's (they must), verifications and proposed / accepted tokens, the acceptance
 rate (accepted / proposed) and the mean accepted length (tokens per verification: accepted
-proposals + the target's own). Each measurement is the best of --repeats runs after a warm-up;
+proposals + the target's own); the median decode step with and without a verification
+(`step_ms`), and at batch 1 the speedup bound: k + 1 tokens per speculating step against the
+baseline's one token per step, what full acceptance would give (run with --every-step, so that
+every system speculates; that run is written as `specdec-every-step`, apart from the README's). Each measurement is the best of --repeats runs after a warm-up;
 the systems take turns run by run, so that the load of a shared machine hits them alike.
 
 Models: --model (default models/demo) and --draft (default models/draft), the trained pair.
@@ -35,6 +38,7 @@ import argparse
 import inspect
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -127,18 +131,29 @@ def run_once(engine, prompts: list[str], tokens: int) -> dict:
     run = time.monotonic_ns()  # request ids unique across runs on one engine
     ids = [f"{run}-{i}" for i in range(len(prompts))]
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    spec = engine.spec
+    step_s: dict[str, list[float]] = {"plain": [], "speculating": []}  # decode steps' seconds
     start = time.perf_counter()
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     steps = 0
     while engine.has_unfinished_requests():
+        drafts = spec.stats.num_drafts if spec is not None else 0
+        began = time.perf_counter()
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
+        took = time.perf_counter() - began
         steps += 1
+        verified = spec is not None and spec.stats.num_drafts > drafts
+        # The first step holds the prompts; a draft's first verification also fed it the prompts.
+        if steps > 1 and not (verified and spec.proposer.catch_up_tokens > spec.config.num_speculative_tokens + 1):
+            step_s["speculating" if verified else "plain"].append(took)
     wall = time.perf_counter() - start
     generated = sum(len(v) for v in outputs.values())
     result = {"tokens_per_s": generated / wall, "wall_s": wall, "steps": steps, "output_tokens": generated,
-              "token_ids": [outputs[rid] for rid in ids]}
+              "token_ids": [outputs[rid] for rid in ids],
+              "step_ms": {f"{kind}_p50": 1000 * statistics.median(times) if times else None for kind, times in step_s.items()}
+              | {"speculating_steps": len(step_s["speculating"])}}
     after = engine.stats().spec_decode
     if after is not None:
         drafts = after.num_drafts - before.num_drafts
@@ -152,6 +167,14 @@ def run_once(engine, prompts: list[str], tokens: int) -> dict:
             "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
         }
     return result
+
+
+def _bound(baseline: dict, system: dict, k: int) -> float | None:
+    """At batch 1, the speedup if every proposal were accepted: k + 1 tokens per speculating
+    step against one per plain step of the baseline. A verification costs the same whatever is
+    accepted, so this is the most the system can give on this machine (None: it never speculated)."""
+    plain, speculating = baseline["step_ms"]["plain_p50"], system["step_ms"]["speculating_p50"]
+    return (k + 1) * plain / speculating if plain and speculating else None
 
 
 def engine_for(system: str, target: Path, draft: Path, k: int, max_len: int, every_step: bool):
@@ -209,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             for system in SYSTEMS[1:]:
                 row[system]["speedup"] = row[system]["tokens_per_s"] / base["tokens_per_s"]
                 row[system]["identical_to_baseline"] = row[system]["token_ids"] == base["token_ids"]
+                if b == 1:
+                    row[system]["speedup_bound_at_full_acceptance"] = _bound(base, row[system], args.k)
             for system in SYSTEMS:
                 del row[system]["token_ids"]
     report = {
@@ -219,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         "conditions": {"load_average_before": load_before, "load_average_after": os.getloadavg()},
         "results": results,
     }
-    path = write_result("specdec", report)
+    # A run without the governor is a different measurement: it must not replace the README's.
+    path = write_result("specdec-every-step" if args.every_step else "specdec", report)
     print(json.dumps({w: {b: {s: round(r.get("speedup", 1.0), 2) for s, r in row.items()} for b, row in rows.items()}
                       for w, rows in results.items()}, indent=1))
     print(f"wrote {path}", file=sys.stderr)
