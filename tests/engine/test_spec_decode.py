@@ -225,6 +225,21 @@ def test_governor_switches_on_one_probe_that_finds_the_slower_side_faster_now():
     assert governor.choose(8) is False
 
 
+def test_governor_rates_a_side_by_mean_tokens_over_median_step_time():
+    # Verifications emit 1 token or all 5 (acceptance about 0.4): a mean of 2.6 tokens per 5 ms step
+    # is 520 tokens/s, above plain's 400; the median step's 1 token (200 tokens/s) is not.
+    governor = SpecGovernor(min_samples=5, probe_every=64, max_probe_every=64)
+    for tokens in (1, 5, 1, 5, 1):
+        assert governor.choose(1)
+        governor.observe(1, True, tokens, 0.005)
+    for _ in range(5):
+        assert not governor.choose(1)
+        governor.observe(1, False, 1, 0.0025)
+    assert governor.choose(1)
+    governor.observe(1, True, 1, 0.05)  # a step stalled 10x by another process: the median time ignores it
+    assert governor.choose(1)
+
+
 def test_governor_repeats_a_probe_that_could_not_be_timed():
     governor = SpecGovernor(min_samples=1, probe_every=2, max_probe_every=8)
     for speculate in (True, False):
@@ -315,6 +330,50 @@ def test_governor_keeps_its_choice_when_the_requests_turn_over_and_probes_again_
     assert governor.turnovers == 1
     # ... but their acceptance is unknown: the next probe comes after probe_every decisions, not 64.
     assert run(4) == [3]
+
+
+def _decisions_with_quiet_stretches(governor: SpecGovernor, steps: int, plain_step: float) -> list[bool]:
+    """What SpecDecoder does: after a plain decision, the plain steps the governor grants run
+    undecided and untimed, then are accounted for at once. Per step: whether it speculated."""
+    out, quiet, taken = [], 0, 0
+    for _ in range(steps):
+        if quiet:
+            quiet, taken = quiet - 1, taken + 1
+            out.append(False)
+            continue
+        if taken:
+            governor.note_quiet(8, taken, taken * plain_step)
+            taken = 0
+        speculate = governor.choose(8)
+        governor.observe(8, speculate, 8, 0.125 if speculate else plain_step)
+        if not speculate:
+            quiet = governor.quiet_steps(8)
+        out.append(speculate)
+    return out
+
+
+def test_governor_quiet_plain_stretches_keep_the_probe_schedule():
+    plain_step = 1 / 64
+    timed, quiet = (SpecGovernor(min_samples=1, probe_every=16, max_probe_every=32) for _ in range(2))
+    for governor in (timed, quiet):  # measured: speculation 0.125 s a step, plain 1/64 s
+        for speculate in (True, False):
+            assert governor.choose(8) is speculate
+            governor.observe(8, speculate, 8, 0.125 if speculate else plain_step)
+    every_step = []
+    for _ in range(400):
+        every_step.append(timed.choose(8))
+        timed.observe(8, every_step[-1], 8, 0.125 if every_step[-1] else plain_step)
+    stretched = _decisions_with_quiet_stretches(quiet, 400, plain_step)
+    probes = [i for i, d in enumerate(every_step) if d]
+    probes_stretched = [i for i, d in enumerate(stretched) if d]
+    # The first probe is due after 16 decisions: at the same step. Later ones wait on the budget
+    # (a probe's 0.11 s over plain needs 2.2 s of plain steps at 5%): at most _QUIET_MAX steps
+    # later, since a quiet stretch does not look at the budget. Most plain steps went undecided.
+    assert len(probes) == len(probes_stretched) >= 2 and probes[0] == probes_stretched[0] == 15
+    assert all(0 <= b - a <= 7 for a, b in zip(probes, probes_stretched, strict=True))
+    assert sum(stretched) == sum(every_step)
+    bucket = (8).bit_length()
+    assert quiet._buckets[bucket].plain.samples * 5 < timed._buckets[bucket].plain.samples  # decided: 1 step in 8
 
 
 @pytest.mark.parametrize(("spec_step", "catch_up", "expected"), [
@@ -469,6 +528,19 @@ def _run_one(engine: Engine, request_id: str, prompt: list[int], params: Samplin
             if out.finished:
                 result["reason"], result["stop_reason"] = out.finish_reason, out.stop_reason
     return result
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-accepted"])
+def test_greedy_output_is_identical_with_the_speedup_governor_deciding(target, small_draft, greedy_reference, method):
+    """The governor on, as users run it: whatever it decides from this machine's timings
+    (speculating, probing, quiet plain stretches that end as requests finish), the tokens are
+    the non-speculative ones and no block is left behind."""
+    prompts, params, expected = greedy_reference
+    spec = {k: v for k, v in _specs(target, small_draft)[method].items() if k != "measure_speedup"}
+    engine = Engine(target, speculative=spec)
+    assert engine.spec.governor is not None
+    for _ in range(2):  # the second time, with what the first taught it
+        assert _generate(engine, prompts, params) == expected
 
 
 def test_stop_conditions_cut_an_accepted_run(target):

@@ -72,11 +72,26 @@ class SpecDecoder:
         self.governor = SpecGovernor() if config.measure_speedup else None
         self._step_start = 0.0  # perf_counter at this step's propose(): the governor times whole steps
         self._batch_size = 0  # running requests when this step's proposals were decided
+        self._quiet_left = 0  # plain steps still to run undecided and untimed (governor.quiet_steps)
+        self._quiet_taken = 0  # ... and taken so far in this stretch, since perf_counter _quiet_since
+        self._quiet_since = 0.0
 
     def propose(self, running: list[Request]) -> None:
         """Proposals for this step, for every running request that decodes (all its known tokens
         but the last have KV) and whose speculation pays."""
-        self._step_start, self._batch_size = time.perf_counter(), len(running)
+        if self._quiet_left and len(running) == self._batch_size:
+            # A plain stretch the governor granted. Nothing has been proposed since it began
+            # (preemption clears a request's proposals), so there is nothing to clear either.
+            if not self._quiet_taken:
+                self._quiet_since = time.perf_counter()
+            self._quiet_left -= 1
+            self._quiet_taken += 1
+            return
+        now = time.perf_counter()
+        if self._quiet_taken:  # the stretch ran out, or the batch changed size
+            self.governor.note_quiet(self._batch_size, self._quiet_taken, now - self._quiet_since)
+        self._quiet_left = self._quiet_taken = 0
+        self._step_start, self._batch_size = now, len(running)
         for request in running:
             request.spec.clear()
         cfg = self.config
@@ -86,6 +101,10 @@ class SpecDecoder:
         if self.governor is not None:
             self.governor.note_running([r.request_id for r in running])
             if not self.governor.choose(len(running), self.proposer.pending_catch_up(running)):
+                # Plain steps ahead may go undecided and untimed, unless a prompt is still being
+                # prefilled (its chunks would count as plain decode time).
+                if all(r.num_tokens - r.num_computed_tokens == 1 for r in running):
+                    self._quiet_left = self.governor.quiet_steps(len(running))
                 return
         chosen, counts = [], []
         for request in running:
@@ -110,7 +129,7 @@ class SpecDecoder:
 
     def observe(self, requests: list[Request], sampled: dict[str, list[int]]) -> None:
         """Time this step for the governor, if it only decoded (called before the engine applies it)."""
-        if self.governor is None:
+        if self.governor is None or self._quiet_taken:
             return
         speculated = any(r.spec.token_ids for r in requests)
         # A prefill chunk in the step would make both sides look slow: not the decision's doing.

@@ -3,9 +3,10 @@
 Whether verifying k+1 tokens per request, plus the proposer's own work, beats one token per
 request depends on the device, the two models, the batch size and the acceptance of the moment;
 no fixed threshold gets all of them right. So for each batch size (rounded to a power of two)
-the governor keeps the emitted tokens per second of recent decode-only steps that verified
+the governor keeps the emitted tokens and the time of recent decode-only steps that verified
 proposals and of recent ones that did not, measures a few of each first, then lets requests
-propose while the median of the first has been the higher, and now and then measures the
+propose while the first's rate (mean tokens over median time, see `_Side.add`) has been the
+higher, and now and then measures the
 slower side again: soon after a change, then at doubling intervals while it stays slower, so
 that probing a loss costs little and a change in load or acceptance still shows. A probe's timed
 step replaces the slower side's earlier samples, which describe the requests and load of a while
@@ -48,23 +49,35 @@ follow the same distribution, and seeded ones are the same tokens (see spec_deco
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 _RECENT = 8  # steps per side whose median is the side's speed
 _PROBE_RETRIES = 2  # untimed probe steps repeated before the probe is given up until the next interval
+_QUIET_MAX = 7  # plain steps at most that follow a plain decision without being decided and timed
 
 
 @dataclass(slots=True)
 class _Side:
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))  # emitted tokens/s of recent steps
+    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_RECENT))  # (tokens, seconds) of recent steps
     samples: int = 0  # steps measured in all
+    rate: float = 0.0  # tokens per second of the recent steps (see add), kept: every step's decision reads it
 
-    @property
-    def rate(self) -> float:
-        """The median of the recent steps: one step stalled by another process moves it little."""
-        return statistics.median(self.recent)
+    def add(self, tokens: int, seconds: float, replace: bool = False) -> None:
+        """One measured step (`replace`: instead of the recent ones). The rate is the recent
+        steps' mean tokens over their median time. The two vary for different reasons. A step's
+        time is noisy (another process stalls it), so the median ignores a stalled step. Its
+        tokens vary with acceptance, which is real: at acceptance 0.4, a verification emits 1
+        token about half the time and up to k + 1 the rest, and the median step would count a
+        mean of 2.6 as 1.5."""
+        if replace:
+            self.recent.clear()
+        self.recent.append((tokens, seconds))
+        self.samples += 1
+        times = sorted(s for _, s in self.recent)
+        n = len(times)
+        median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+        self.rate = sum(t for t, _ in self.recent) / n / median
 
 
 @dataclass(slots=True)
@@ -145,6 +158,29 @@ class SpecGovernor:
         bucket.probe_cost = bucket.banked = 0.0
         return not faster
 
+    def quiet_steps(self, batch_size: int) -> int:
+        """How many plain steps of `batch_size` may follow the decision just made without being
+        decided or timed (then `note_quiet`): where plain was chosen, not as a probe, up to the
+        next probe's turn (a probe held back by its budget may wait up to `_QUIET_MAX` steps more).
+        A plain step of a tiny model takes a fraction of a millisecond, and deciding and timing
+        it, right after the model's weights went through the caches, cost 5% of it."""
+        bucket = self._buckets.get(batch_size.bit_length())
+        if bucket is None or bucket.faster or bucket.probing or bucket.retry:
+            return 0
+        if bucket.faster is None:  # still measuring: quiet only while speculation waits for an affordable catch-up
+            return _QUIET_MAX if bucket.plain.samples >= self.min_samples else 0
+        until_probe = bucket.interval - bucket.since_probe - 1
+        return min(_QUIET_MAX, until_probe) if until_probe > 0 else _QUIET_MAX
+
+    def note_quiet(self, batch_size: int, steps: int, seconds: float) -> None:
+        """`steps` plain steps of `batch_size` ran undecided and untimed, `seconds` in all."""
+        bucket = self._buckets.get(batch_size.bit_length())
+        if bucket is None:
+            return
+        bucket.since_probe += steps
+        bucket.banked += seconds
+        self._plain_seconds += seconds
+
     def unmeasured(self, batch_size: int) -> None:
         """The step just decided could not be timed; if it was a probe, the next decision repeats it."""
         bucket = self._buckets.get(batch_size.bit_length())
@@ -167,14 +203,12 @@ class SpecGovernor:
             return
         bucket = self._buckets.setdefault(batch_size.bit_length(), _Bucket())
         side = bucket.speculating if speculated else bucket.plain
+        replace = False
         if bucket.faster is not None:
             if speculated == bucket.faster:
                 bucket.banked += seconds
             else:
                 faster_side = bucket.speculating if bucket.faster else bucket.plain
                 bucket.probe_cost += max(0.0, seconds - tokens / faster_side.rate)
-                if bucket.stale:
-                    side.recent.clear()
-                    bucket.stale = False
-        side.recent.append(tokens / seconds)
-        side.samples += 1
+                replace, bucket.stale = bucket.stale, False  # a probe's first step: its side's samples are stale
+        side.add(tokens, seconds, replace)
