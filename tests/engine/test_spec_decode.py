@@ -225,9 +225,9 @@ def test_governor_switches_on_one_probe_that_finds_the_slower_side_faster_now():
     assert governor.choose(8) is False
 
 
-def test_governor_rates_a_side_by_mean_tokens_over_median_step_time():
-    # Verifications emit 1 token or all 5 (acceptance about 0.4): a mean of 2.6 tokens per 5 ms step
-    # is 520 tokens/s, above plain's 400; the median step's 1 token (200 tokens/s) is not.
+def test_governor_rates_a_side_by_its_tokens_over_its_time_leaving_out_stalls():
+    # Verifications emit 1 token or all 5 (acceptance about 0.4): 2.6 tokens per 5 ms step on
+    # average is 520 tokens/s, above plain's 400; the median step's 1 token (200 tokens/s) is not.
     governor = SpecGovernor(min_samples=5, probe_every=64, max_probe_every=64)
     for tokens in (1, 5, 1, 5, 1):
         assert governor.choose(1)
@@ -236,8 +236,10 @@ def test_governor_rates_a_side_by_mean_tokens_over_median_step_time():
         assert not governor.choose(1)
         governor.observe(1, False, 1, 0.0025)
     assert governor.choose(1)
-    governor.observe(1, True, 1, 0.05)  # a step stalled 10x by another process: the median time ignores it
+    governor.observe(1, True, 1, 0.05)  # a step stalled 10x by another process: left out
     assert governor.choose(1)
+    governor.observe(1, True, 1, 0.0145)  # slow, not stalled (under 3x): 14 tokens in 0.0395 s
+    assert not governor.choose(1)
 
 
 def test_governor_repeats_a_probe_that_could_not_be_timed():

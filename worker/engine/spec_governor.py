@@ -5,14 +5,14 @@ request depends on the device, the two models, the batch size and the acceptance
 no fixed threshold gets all of them right. So for each batch size (rounded to a power of two)
 the governor keeps the emitted tokens and the time of recent decode-only steps that verified
 proposals and of recent ones that did not, measures a few of each first, then lets requests
-propose while the first's rate (mean tokens over median time, see `_Side.add`) has been the
-higher, and now and then measures the
-slower side again: soon after a change, then at doubling intervals while it stays slower, so
-that probing a loss costs little and a change in load or acceptance still shows. A probe's timed
-step replaces the slower side's earlier samples, which describe the requests and load of a while
-ago: one probe that finds speculation now faster (the text being generated has started to repeat
-the prompt, say) switches at once, where a median over stale samples would have needed several
-probes at doubling intervals. Were the probe lucky, the side's next steps show it within a few.
+propose while the first's rate (tokens over time, stalled steps left out: `_Side.add`) has
+been the higher, and now and then measures the slower side again: soon after a change, then at
+doubling intervals while it stays slower, so that probing a loss costs little and a change in
+load or acceptance still shows. A probe's timed step replaces the slower side's earlier
+samples, which describe the requests and load of a while ago: one probe that finds speculation
+now faster (the text being generated has started to repeat the prompt, say) switches at once,
+where stale samples would have outvoted several probes at doubling intervals. Were the probe
+lucky, the side's next steps show it within a few.
 
 When the running requests turn over (fewer than half of them were running at the last
 turnover), each batch size keeps its choice and its measurements, and its probe interval starts
@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 _RECENT = 8  # steps per side whose median is the side's speed
 _PROBE_RETRIES = 2  # untimed probe steps repeated before the probe is given up until the next interval
 _QUIET_MAX = 7  # plain steps at most that follow a plain decision without being decided and timed
+_STALL = 3.0  # a step this many times its side's median took was stalled from outside: not counted
 
 
 @dataclass(slots=True)
@@ -65,19 +66,20 @@ class _Side:
 
     def add(self, tokens: int, seconds: float, replace: bool = False) -> None:
         """One measured step (`replace`: instead of the recent ones). The rate is the recent
-        steps' mean tokens over their median time. The two vary for different reasons. A step's
-        time is noisy (another process stalls it), so the median ignores a stalled step. Its
-        tokens vary with acceptance, which is real: at acceptance 0.4, a verification emits 1
-        token about half the time and up to k + 1 the rest, and the median step would count a
-        mean of 2.6 as 1.5."""
+        steps' tokens over their time, leaving out a step that took more than `_STALL` times the
+        median: another process stalled it, and it says nothing of this side. Tokens are summed,
+        not taken at the median: at acceptance 0.4 a verification emits 1 token about half the
+        time and up to k + 1 the rest (the median step would count a mean of 2.6 as 1.5), and at
+        batch 8 a step where more requests proposed takes longer and emits more."""
         if replace:
             self.recent.clear()
         self.recent.append((tokens, seconds))
         self.samples += 1
         times = sorted(s for _, s in self.recent)
         n = len(times)
-        median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
-        self.rate = sum(t for t, _ in self.recent) / n / median
+        cutoff = _STALL * (times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2)
+        kept = [(t, s) for t, s in self.recent if s <= cutoff]
+        self.rate = sum(t for t, _ in kept) / sum(s for _, s in kept)
 
 
 @dataclass(slots=True)
