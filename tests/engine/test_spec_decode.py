@@ -219,10 +219,26 @@ def test_governor_switches_on_one_probe_that_finds_the_slower_side_faster_now():
         governor.observe(8, speculate, 8, 0.1 if speculate else 0.02)  # 80 vs 400 tokens/s
     assert _plain_steps_before_the_next_probe(governor, 0.02) == 3  # the probe ...
     governor.observe(8, True, 40, 0.05)  # ... finds the text repeating: 800 tokens/s, against three stale 80s
-    assert [governor.choose(8) for _ in range(3)] == [True] * 3  # switched at once, not after 2 more probes
+    assert governor.choose(8) is True  # one more step to confirm
+    governor.observe(8, True, 32, 0.05)
+    assert [governor.choose(8) for _ in range(3)] == [True] * 3  # switched, not after 2 more probes
     governor.observe(8, True, 8, 0.1)
     governor.observe(8, True, 8, 0.1)  # the probe was luck: the median of its side's last three is 80 again
     assert governor.choose(8) is False
+
+
+def test_governor_does_not_switch_on_one_lucky_probe_step():
+    governor = SpecGovernor(min_samples=3, probe_every=4, max_probe_every=8, probe_budget=1.0)
+    for speculate in (True, True, True, False, False, False):
+        assert governor.choose(8) is speculate
+        governor.observe(8, speculate, 8, 0.1 if speculate else 0.02)  # 80 vs 400 tokens/s
+    assert _plain_steps_before_the_next_probe(governor, 0.02) == 3
+    governor.observe(8, True, 40, 0.05)  # every proposal accepted, once: 800 tokens/s
+    assert governor.choose(8) is True  # confirming ...
+    governor.observe(8, True, 8, 0.1)  # ... finds the usual 80: 48 tokens in 0.15 s, below plain
+    # Plain all along: the probes stay at their doubled interval (8), where a switch there and back
+    # would have started them again from probe_every (4).
+    assert _plain_steps_before_the_next_probe(governor, 0.02) == 7
 
 
 def test_governor_rates_a_side_by_its_tokens_over_its_time_leaving_out_stalls():
@@ -369,7 +385,7 @@ def test_governor_quiet_plain_stretches_keep_the_probe_schedule():
     probes = [i for i, d in enumerate(every_step) if d]
     probes_stretched = [i for i, d in enumerate(stretched) if d]
     # The first probe is due after 16 decisions: at the same step. Later ones wait on the budget
-    # (a probe's 0.11 s over plain needs 2.2 s of plain steps at 5%): at most _QUIET_MAX steps
+    # (a probe's 0.11 s over plain needs 4.4 s of plain steps at 2.5%): at most _QUIET_MAX steps
     # later, since a quiet stretch does not look at the budget. Most plain steps went undecided.
     assert len(probes) == len(probes_stretched) >= 2 and probes[0] == probes_stretched[0] == 15
     assert all(0 <= b - a <= 7 for a, b in zip(probes, probes_stretched, strict=True))

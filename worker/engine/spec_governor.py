@@ -9,10 +9,10 @@ propose while the first's rate (tokens over time, stalled steps left out: `_Side
 been the higher, and now and then measures the slower side again: soon after a change, then at
 doubling intervals while it stays slower, so that probing a loss costs little and a change in
 load or acceptance still shows. A probe's timed step replaces the slower side's earlier
-samples, which describe the requests and load of a while ago: one probe that finds speculation
-now faster (the text being generated has started to repeat the prompt, say) switches at once,
-where stale samples would have outvoted several probes at doubling intervals. Were the probe
-lucky, the side's next steps show it within a few.
+samples, which describe the requests and load of a while ago: a probe that finds speculation
+now faster (the text being generated has started to repeat the prompt, say) measures one more
+step and then switches, where stale samples would have outvoted several probes at doubling
+intervals. Were both steps lucky, the side's next steps show it within a few.
 
 When the running requests turn over (fewer than half of them were running at the last
 turnover), each batch size keeps its choice and its measurements, and its probe interval starts
@@ -24,8 +24,9 @@ that moves from free text to code edits switches within a probe interval, and sp
 requests that stop being accepted are paused one by one (spec_decode) while the speculating side's
 own recent steps show the slowdown.
 
-A probe costs more than its step's own time, and the governor keeps it to `probe_budget` (5%)
-of the time, in two parts:
+A probe costs more than its step's own time, and the governor keeps it to `probe_budget` (2.5%)
+of the time, in two parts (at batch 8 on the demo model one probe costs about three plain steps:
+the 2.5% leaves the batch-8 target, never below 0.95x, room for the machine's noise):
 - per batch size, what the last probe's timed steps took beyond what the faster side would
   have for the same tokens: the next probe waits until the faster side has run for 1 /
   `probe_budget` times that;
@@ -91,6 +92,7 @@ class _Bucket:
     interval: int = 0  # decisions between probes: doubles while probes confirm the choice
     probing: bool = False  # the last decision measured the slower side
     stale: bool = False  # a probe began: its first timed step replaces the slower side's samples
+    fresh: int = 0  # the slower side's timed steps since that replacement (one alone does not switch)
     retry: bool = False  # that probe went untimed: the next decision probes again
     retries: int = 0  # untimed steps of the current probe so far
     probe_cost: float = 0.0  # seconds the last probe's timed steps took beyond the faster side's time for their tokens
@@ -102,7 +104,7 @@ class SpecGovernor:
     min_samples: int = 3  # steps each side is measured before the faster one is chosen
     probe_every: int = 16  # decisions before the slower side is measured again, after a change ...
     max_probe_every: int = 128  # ... doubling up to this while it stays slower (a probe can cost a few steps)
-    probe_budget: float = 0.05  # probes may cost at most this share of the time spent on the faster side
+    probe_budget: float = 0.025  # probes may cost at most this share of the time spent on the faster side
     _buckets: dict[int, _Bucket] = field(default_factory=dict)  # by the batch size's bit length
     _measured_on: frozenset[str] = frozenset()  # ids of the requests running at the last turnover
     _catch_up_per_token: float = 0.0  # seconds the proposer's last catch-up took per token it fed
@@ -145,8 +147,13 @@ class SpecGovernor:
         faster = bucket.speculating.rate >= bucket.plain.rate
         if bucket.retry:
             bucket.retry = False
-            if faster or self._affordable(catch_up_seconds):
-                return not faster
+            if bucket.faster or self._affordable(catch_up_seconds):
+                return not bucket.faster
+        if faster != bucket.faster and bucket.fresh == 1:
+            # One probe step says the slower side is now the faster: measure it once more before
+            # switching (at batch 8, one verification may emit anything from 8 to 40 tokens).
+            bucket.probing, bucket.retries = True, 0
+            return faster
         if faster != bucket.faster:
             bucket.faster, bucket.interval, bucket.since_probe = faster, self.probe_every, 0
             bucket.probe_cost = bucket.banked = 0.0
@@ -213,4 +220,5 @@ class SpecGovernor:
                 faster_side = bucket.speculating if bucket.faster else bucket.plain
                 bucket.probe_cost += max(0.0, seconds - tokens / faster_side.rate)
                 replace, bucket.stale = bucket.stale, False  # a probe's first step: its side's samples are stale
+                bucket.fresh = 1 if replace else bucket.fresh + 1
         side.add(tokens, seconds, replace)
