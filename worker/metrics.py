@@ -30,6 +30,27 @@ class _EngineCollector:
         yield CounterMetricFamily("ferry_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=stats.prefix_cache_queries)
         yield CounterMetricFamily("ferry_prefix_cache_hits", "Prompt tokens served from the prefix cache", value=stats.prefix_cache_hits)
         yield CounterMetricFamily("ferry_num_preemptions", "Requests preempted for KV space", value=stats.num_preemptions)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_metrics(stats.spec_decode)
+
+
+def _spec_decode_metrics(spec):
+    """Speculative decoding since the engine started (vLLM's counters, and the two figures a
+    dashboard wants without PromQL); only where the worker speculates."""
+    yield CounterMetricFamily("ferry_spec_decode_num_drafts", "Verifications of proposed tokens", value=spec.num_drafts)
+    yield CounterMetricFamily("ferry_spec_decode_num_draft_tokens", "Proposed tokens verified", value=spec.num_draft_tokens)
+    yield CounterMetricFamily("ferry_spec_decode_num_accepted_tokens", "Proposed tokens accepted", value=spec.num_accepted_tokens)
+    per_position = CounterMetricFamily(
+        "ferry_spec_decode_num_accepted_tokens_per_pos", "Verifications whose proposal at this position was accepted",
+        labels=["position"],
+    )
+    for position, accepted in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], accepted)
+    yield per_position
+    yield GaugeMetricFamily("ferry_spec_decode_acceptance_rate", "Accepted / proposed tokens", value=spec.acceptance_rate)
+    yield GaugeMetricFamily("ferry_spec_decode_mean_accepted_length",
+                            "Tokens a verification yields on average: accepted proposals + the target's own",
+                            value=spec.mean_accepted_length)
 
 
 class WorkerMetrics:
