@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The code model trained by models/train.py and shipped in the repository (models/README.md).
 SHIPPED_DEMO_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "demo")
 
 
+def _env(field: str, engine_key: str) -> AliasChoices:
+    """The field's own name (code), its FERRY_ variable, and FERRY_SPECULATIVE_<the engine key>."""
+    return AliasChoices(field, f"FERRY_{field.upper()}", f"FERRY_SPECULATIVE_{engine_key.upper()}")
+
+
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+    # populate_by_name: fields with alternative environment names still take their own name in code.
+    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore", populate_by_name=True)
 
     # Redis and naming
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -34,10 +40,15 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    speculative_method: str | None = None  # "ngram" | "draft"
-    speculative_num_tokens: int = 4
-    speculative_ngram_max: int = 4
+    # Speculative decoding (worker.engine.config.SpeculativeConfig). The engine config's own key
+    # names are accepted too: FERRY_SPECULATIVE_NUM_SPECULATIVE_TOKENS, _PROMPT_LOOKUP_MAX/_MIN.
+    speculative_method: str | None = None  # "ngram" | "draft"; unset: no speculation
+    speculative_num_tokens: int = Field(4, validation_alias=_env("speculative_num_tokens", "num_speculative_tokens"))
+    speculative_ngram_max: int = Field(4, validation_alias=_env("speculative_ngram_max", "prompt_lookup_max"))
+    speculative_ngram_min: int = Field(1, validation_alias=_env("speculative_ngram_min", "prompt_lookup_min"))
     speculative_draft_model: str | None = None
+    speculative_measure_speedup: bool = True  # the governor: propose only while it measurably pays
+    speculative_disable_by_batch_size: int | None = None  # no proposals while this many requests run
 
     # Snapshots of the prefix cache
     snapshot_url: str | None = None  # file:///dir or s3://bucket/prefix
@@ -96,9 +107,14 @@ class WorkerSettings(BaseSettings):
         """`Engine(speculative=...)` from FERRY_SPECULATIVE_*; None leaves speculation off."""
         if not self.speculative_method:
             return None
-        spec = {"method": self.speculative_method, "num_speculative_tokens": self.speculative_num_tokens}
+        spec = {
+            "method": self.speculative_method,
+            "num_speculative_tokens": self.speculative_num_tokens,
+            "measure_speedup": self.speculative_measure_speedup,
+            "disable_by_batch_size": self.speculative_disable_by_batch_size,
+        }
         if self.speculative_method == "ngram":
-            spec["prompt_lookup_max"] = self.speculative_ngram_max
+            spec |= {"prompt_lookup_max": self.speculative_ngram_max, "prompt_lookup_min": self.speculative_ngram_min}
         else:
             spec["draft_model"] = self.speculative_draft_model
         return spec
