@@ -133,13 +133,15 @@ class JobRunner:
                 writes += self._step()
             elif self.snapshot_every_s is not None and time.monotonic() - self._snapshot_at > self.snapshot_every_s:
                 self._snapshot()
-            if writes:
-                self.submit(writes)
             now = time.monotonic()
-            if now - self._stats_at > _STATS_INTERVAL_S:
+            # A job's end refreshes them before its terminal write goes out: whoever sees the job
+            # finished and then scrapes /metrics sees its tokens counted.
+            if now - self._stats_at > _STATS_INTERVAL_S or any(w.terminal for w in writes):
                 self._stats_at = now
                 self.stats = self.engine.stats()
                 self.metrics.set_engine_stats(self.stats)
+            if writes:
+                self.submit(writes)
 
     def _snapshot(self) -> None:
         """Periodic save, only between jobs: a running job's step never waits on the store."""
