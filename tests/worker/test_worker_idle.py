@@ -37,9 +37,11 @@ def test_idle_worker_exits_zero_and_saves_a_snapshot(llama_dir, tmp_path, restor
     prefix = f"ferrytest-{uuid.uuid4().hex}"
     client = redis.Redis(decode_responses=True)
     keys = Keys(prefix)
+    # idle_timeout_s: 2 s, so that on a loaded machine the queued job is surely read before the
+    # worker counts itself idle (1 s failed once when this machine ran 2.4x slower).
     settings = WorkerSettings(
         key_prefix=prefix, model=str(llama_dir), model_name="tiny", worker_id="idle-1", metrics_port=0,
-        metrics_host="127.0.0.1", idle_timeout_s=1.0, kv_cache_bytes=16 << 20, max_num_seqs=4,
+        metrics_host="127.0.0.1", idle_timeout_s=2.0, kv_cache_bytes=16 << 20, max_num_seqs=4,
         snapshot_url=f"file://{tmp_path}/snap", heartbeat_interval_s=0.2,
     )
     try:
