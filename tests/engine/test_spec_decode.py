@@ -709,6 +709,27 @@ def test_speculation_pauses_where_it_does_not_pay(target, small_draft):
     assert crowded.stats().spec_decode.num_drafts == 0
 
 
+def test_the_draft_reports_the_catch_up_its_next_proposal_would_cost(target):
+    """What the governor charges a probe: every token the draft model has not yet fed on, beyond
+    the newest one of each request (a whole prompt the first time)."""
+    spec = {"method": "draft", "draft_model": target, "num_speculative_tokens": 3, **EVERY_STEP}
+    engine = Engine(target, speculative=spec)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(5, 25)), params)  # 20 prompt tokens
+    engine.add_request("b", list(range(30, 37)), params)  # 7
+    proposer = engine.spec.proposer
+    running = engine.scheduler.running
+    engine.spec.propose = lambda requests: None  # hold the draft back for two steps
+    engine.step()  # the prompts, and a first token each
+    engine.step()  # one more token each, the draft still idle
+    assert proposer.pending_catch_up(running) == (20 + 1) + (7 + 1)
+    del engine.spec.propose
+    engine.step()  # the draft catches up and proposes; the target accepts all of it
+    assert proposer.catch_up_total == (20 + 2) + (7 + 2)
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+    assert proposer.pending_catch_up(running) <= len(running)  # at most the bonus token each
+
+
 def test_draft_with_another_tokenizer_is_refused(target, tiny_model_factory):
     other = tiny_model_factory("llama", vocab_size=300)
     with pytest.raises(ValueError, match="different tokenizer"):
