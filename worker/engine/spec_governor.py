@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-_RECENT = 8  # steps per side whose median is the side's speed
+_RECENT = 8  # steps per side whose tokens over their time are the side's speed
 _PROBE_RETRIES = 2  # untimed probe steps repeated before the probe is given up until the next interval
 _QUIET_MAX = 7  # plain steps at most that follow a plain decision without being decided and timed
 _STALL = 3.0  # a step this many times its side's median took was stalled from outside: not counted
