@@ -20,8 +20,9 @@ rate (accepted / proposed) and the mean accepted length (tokens per verification
 proposals + the target's own); the median decode step with and without a verification
 (`step_ms`), and at batch 1 the speedup bound: k + 1 tokens per speculating step against the
 baseline's one token per step, what full acceptance would give (run with --every-step, so that
-every system speculates; that run is written as `specdec-every-step`, apart from the README's). Each measurement is the best of --repeats runs after a warm-up;
-the systems take turns run by run, so that the load of a shared machine hits them alike.
+every system speculates; that run is written as `specdec-every-step`, apart from the README's).
+Each measurement is the best of --repeats runs after a warm-up; the systems take turns run by
+run, so that the load of a shared machine hits them alike.
 
 Models: --model (default models/demo) and --draft (default models/draft), the trained pair.
 Where they do not exist yet, random-weight stand-ins are made under .ferry/bench-models/ (a
