@@ -31,6 +31,7 @@ from worker.protocol import (
     encode_event,
     enqueue_job,
     enqueue_job_async,
+    enqueue_jobs,
     event_from_fields,
     event_stream_id,
     event_to_fields,
@@ -127,6 +128,28 @@ def test_enqueue_is_atomic_and_idempotent(client, keys):
     rec = JobRecord.from_redis(client.hgetall(keys.job(first.job_id)))
     assert rec.state is JobState.queued and rec.tenant == "acme" and rec.request == request
     assert client.get(keys.idempotency("acme", "k1")) == first.job_id
+
+
+def test_enqueue_jobs_writes_a_batch_once_even_where_redis_forgot_the_script(tmp_path):
+    from tests.worker.conftest import RedisServer
+
+    server = RedisServer(tmp_path)  # a Redis of its own: SCRIPT FLUSH must not touch anyone else's
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        keys = Keys("ferrytest-batch")
+        requests = [JobRequest(model="m", prompt=f"p{i}", priority=p) for i, p in enumerate(["high", "normal", "normal"])]
+        for attempt in range(2):
+            client.script_flush()  # a restarted Redis: the bare EVALSHAs fail, the batch is sent again
+            ids = [f"job-{attempt}-{i}" for i in range(3)]
+            results = enqueue_jobs(client, keys, requests, job_ids=ids)
+            assert [(r.job_id, r.created) for r in results] == [(i, True) for i in ids]
+        assert client.xlen(keys.queue("m", "high")) == 2 and client.xlen(keys.queue("m", "normal")) == 4
+        for i, request in enumerate(requests):
+            assert JobRecord.from_redis(client.hgetall(keys.job(f"job-1-{i}"))).request == request
+        client.close()
+    finally:
+        server.stop()
 
 
 def test_cancel_settles_a_queued_job_at_once(client, keys):
