@@ -561,6 +561,26 @@ def test_greedy_output_is_identical_with_the_speedup_governor_deciding(target, s
         assert _generate(engine, prompts, params) == expected
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_greedy_output_is_identical_for_every_architecture(tiny_model_factory, arch):
+    """Attention bias (Qwen2), q/k norms (Qwen3), Mistral's config: n-gram, a small draft of the
+    same family and the target as its own draft all give the non-speculative tokens."""
+    target = str(tiny_model_factory(arch))
+    small = str(tiny_model_factory(arch, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=1))
+    prompts = _prompts()[:5]
+    params = [_params(i, max_tokens=20) for i in range(len(prompts))]
+    expected = _generate(Engine(target), prompts, params)
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "draft", "draft_model": small, "num_speculative_tokens": 3},
+        {"method": "draft", "draft_model": target, "num_speculative_tokens": 3},
+    ):
+        engine = Engine(target, speculative={**spec, **EVERY_STEP})
+        assert _generate(engine, prompts, params) == expected, spec
+        assert engine.stats().spec_decode.num_draft_tokens > 0
+    assert engine.stats().spec_decode.acceptance_rate > 0.9  # its own draft
+
+
 def test_stop_conditions_cut_an_accepted_run(target):
     """With the target as its own draft nearly every proposal is accepted: stops fall inside runs."""
     base_engine = Engine(target)
