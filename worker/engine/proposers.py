@@ -113,7 +113,7 @@ class DraftProposer:
         return sum(
             max(0, r.num_tokens - min(r.spec.num_draft_computed, r.num_computed_tokens) - 1)
             for r in requests
-            if r.num_tokens - r.num_computed_tokens == 1
+            if r.is_decoding
         )
 
     @torch.inference_mode()

@@ -83,6 +83,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def is_decoding(self) -> bool:
+        """Every known token but the newest has KV: the next step feeds one token (plus any
+        proposals to verify), not a prompt chunk."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -103,12 +103,12 @@ class SpecDecoder:
             if not self.governor.choose(len(running), self.proposer.pending_catch_up(running)):
                 # Plain steps ahead may go undecided and untimed, unless a prompt is still being
                 # prefilled (its chunks would count as plain decode time).
-                if all(r.num_tokens - r.num_computed_tokens == 1 for r in running):
+                if all(r.is_decoding for r in running):
                     self._quiet_left = self.governor.quiet_steps(len(running))
                 return
         chosen, counts = [], []
         for request in running:
-            if request.num_tokens - request.num_computed_tokens != 1:
+            if not request.is_decoding:
                 continue  # prefilling
             spec = request.spec
             if spec.paused_steps:
@@ -133,7 +133,7 @@ class SpecDecoder:
             return
         speculated = any(r.spec.token_ids for r in requests)
         # A prefill chunk in the step would make both sides look slow: not the decision's doing.
-        if not all(r.num_tokens - r.num_computed_tokens == 1 for r in requests):
+        if not all(r.is_decoding for r in requests):
             self.governor.unmeasured(self._batch_size)
             return
         # A draft that first caught up on many tokens (a prompt, a long plain stretch) paid a
