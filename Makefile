@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/python -m kernels.cpu_native
+	$(BIN)/python -m kernels.cpu.native
 	touch $@
 
 demo: setup

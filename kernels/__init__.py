@@ -2,13 +2,14 @@
 
 Triton kernels run on CUDA tensors. On everything else the backend is `cpu`: attention for
 short query runs (decode, verification) in native code compiled on first use
-(`kernels/cpu_native.py`), everything else the PyTorch reference. `torch` is the pure reference.
+(`kernels/cpu/native.py`), everything else the PyTorch reference. `torch` is the pure reference.
 `FERRY_ATTENTION_BACKEND=triton|cpu|torch` overrides the choice (triton on CPU tensors needs
 `TRITON_INTERPRET=1`, which is how the kernel tests run here).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -73,9 +74,9 @@ def _resolve(tensor: torch.Tensor) -> str:
 
 def _triton():
     # Imported lazily: CPU-only installs need no triton.
-    from kernels import triton_ops
+    from kernels import triton as triton_backend
 
-    return triton_ops
+    return triton_backend
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
@@ -93,16 +94,12 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-_cpu_module = None
-
-
+@functools.cache
 def _cpu():
-    global _cpu_module
-    if _cpu_module is None:
-        from kernels import cpu_native
+    # Imported on first use: importing the native module may compile it.
+    from kernels.cpu import native
 
-        _cpu_module = cpu_native
-    return _cpu_module
+    return native
 
 
 def rms_norm(x, weight, eps: float, residual=None):
@@ -137,7 +134,7 @@ def linear(x, weight, bias=None):
 
 def pack_linear_weight(weight: torch.Tensor):
     """`weight` [out, in] in the layout the cpu backend's product reads fastest (a
-    `cpu_native.PackedWeight`), or None where that backend would not run it (another backend,
+    `kernels.cpu.native.PackedWeight`), or None where that backend would not run it (another backend,
     not float32, no native build). Done once, when a model is loaded."""
     if backend_for(weight) != "cpu":
         return None

@@ -133,7 +133,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int) -> dict | None:
     """One decode step of `batch` sequences of `context` tokens; None when it does not fit."""
     from kernels.metadata import AttentionMetadata
-    from kernels.paged_attention_kernel import choose_variant, paged_attention
+    from kernels.triton.paged_attention_kernel import choose_variant, paged_attention
 
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -181,7 +181,7 @@ def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int)
 def bench_prefill(args, timer: Timer, chunk: int) -> dict:
     """A fresh prompt of `chunk` tokens: causal attention over itself."""
     from kernels.metadata import AttentionMetadata
-    from kernels.paged_attention_kernel import paged_attention
+    from kernels.triton.paged_attention_kernel import paged_attention
 
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -223,7 +223,8 @@ def bench_small_kernels(args, timer: Timer) -> list[dict]:
 
 
 def _small_kernel_rows(args, timer: Timer, tokens: int) -> list[dict]:
-    from kernels import reference, triton_ops
+    from kernels import reference
+    from kernels import triton as triton_ops
 
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size

@@ -10,11 +10,11 @@ import torch
 
 import kernels
 from kernels import reference
-from tests.kernels.test_paged_attention import BATCHES, make_case
+from tests.kernels.triton.test_paged_attention import BATCHES, make_case
 
 
 def check_forced_backends(device) -> None:
-    from kernels import triton_ops
+    from kernels import triton as triton_ops
 
     q, k_cache, v_cache, meta = make_case(*BATCHES["mixed"], num_heads=4, num_kv_heads=2, device=device, seed=21)
     saved = os.environ.get("FERRY_ATTENTION_BACKEND")

@@ -24,7 +24,7 @@ class PackedLinear(nn.Module):
     """An nn.Linear whose weight was packed once for the CPU product (`kernels.pack_linear_weight`);
     the [out, in] tensor itself is dropped, so the weights are held once."""
 
-    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # weight: a cpu_native.PackedWeight
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # weight: a kernels.cpu.native.PackedWeight
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.rms_norm_kernel import rms_norm
+from kernels.triton.rms_norm_kernel import rms_norm
 from tests.kernels.util import assert_close
 
 

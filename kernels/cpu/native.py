@@ -315,7 +315,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * int
     return module.silu_and_mul(gate_up)
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_native`: build now (make setup does), say what happened
+if __name__ == "__main__":  # `python -m kernels.cpu.native`: build now (make setup does), say what happened
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load()
     print(

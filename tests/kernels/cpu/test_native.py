@@ -1,4 +1,4 @@
-"""The native CPU attention (kernels/cpu_native.py) against the PyTorch reference.
+"""The native CPU attention (kernels/cpu/native.py) against the PyTorch reference.
 
 Runs in-process (no Triton involved). The extension must build here: this machine has g++ and
 ninja, and a silent fallback would leave the engine's default CPU path untested.
@@ -11,8 +11,9 @@ import torch
 from transformers import AutoConfig
 
 import kernels
-from kernels import cpu_native, reference
-from tests.kernels.test_paged_attention import BATCHES, make_case
+from kernels import reference
+from kernels.cpu import native as cpu_native
+from tests.kernels.triton.test_paged_attention import BATCHES, make_case
 from worker.models.config import ModelArch
 
 # (num_heads, num_kv_heads, head_dim): the register paths (32, 64, 128) and the portable loop (48, 80).

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.rotary_kernel import rotary
+from kernels.triton.rotary_kernel import rotary
 from tests.kernels.util import assert_close
 
 

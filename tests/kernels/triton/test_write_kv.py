@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.write_kv_kernel import write_kv
+from kernels.triton.write_kv_kernel import write_kv
 
 
 def check_write_kv(num_kv_heads, head_dim, block_size, dtype, device, seed) -> None:
