@@ -11,12 +11,12 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS = {
-    "generate": ("worker.generate_cli", "main", "generate completions offline with the engine (LLM.generate)"),
-    "worker": ("worker.main", "main", "run a worker: Redis Streams in, tokens out"),
+    "generate": ("worker.tools.generate", "main", "generate completions offline with the engine (LLM.generate)"),
+    "worker": ("worker.serve.main", "main", "run a worker: Redis Streams in, tokens out"),
     "api": ("api.main", "main", "run the HTTP API (FastAPI + uvicorn)"),
-    "webhooks": ("worker.webhooks", "main", "run the Celery worker that delivers signed webhooks"),
-    "up": ("worker.up", "main", "run the whole stack on this machine (--demo streams a few completions)"),
-    "snapshot": ("worker.snapshot_cli", "main", "save, load or inspect prefix-cache snapshots"),
+    "webhooks": ("worker.webhooks.delivery", "main", "run the Celery worker that delivers signed webhooks"),
+    "up": ("worker.tools.up", "main", "run the whole stack on this machine (--demo streams a few completions)"),
+    "snapshot": ("worker.snapshots.cli", "main", "save, load or inspect prefix-cache snapshots"),
     "autoscale": ("infra.autoscaler", "main", "compute and publish the desired worker count from queue backlog"),
     "bench": ("bench.cli", "main", "run benchmark suites and write JSON + plots to bench/results/"),
 }

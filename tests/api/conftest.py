@@ -24,7 +24,7 @@ import httpx
 import pytest
 import redis
 
-from worker.webhooks import new_secret
+from worker.webhooks.delivery import new_secret
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 KEY_A, KEY_B = "sk-ferrytest-tenant-a", "sk-ferrytest-tenant-b"

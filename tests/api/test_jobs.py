@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from tests.api.conftest import KEY_B
-from worker.keys import Keys
-from worker.protocol import JobRequest, enqueue_job
+from worker.protocol.jobs import JobRequest, enqueue_job
+from worker.protocol.keys import Keys
 
 pytestmark = pytest.mark.redis
 

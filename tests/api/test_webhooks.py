@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from api.settings import ApiSettings
 from tests.api.conftest import MODEL, REDIS_URL, Proc, delete_prefix, new_prefix, stack_env
-from worker.webhooks import (
+from worker.webhooks.delivery import (
     Delivery,
     InvalidSignature,
     RefusedUrl,

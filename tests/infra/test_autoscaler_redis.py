@@ -17,7 +17,7 @@ from infra.autoscaler.loop import AutoscaleLoop, read_recording, replay
 from infra.autoscaler.policy import ScalePolicy
 from infra.autoscaler.publish import PrometheusGauges
 from infra.autoscaler.redis_source import RedisBacklog
-from worker.keys import GROUP, Keys
+from worker.protocol.keys import GROUP, Keys
 
 pytestmark = pytest.mark.redis
 
@@ -66,7 +66,7 @@ def test_lag_is_counted_when_redis_cannot_report_it(r):
 
 
 def _heartbeat(client, prefix: str, worker_id: str, model: str) -> None:
-    """What a worker writes every heartbeat (worker/keys.py)."""
+    """What a worker writes every heartbeat (worker/protocol/keys.py)."""
     keys = Keys(prefix)
     client.hset(keys.worker(worker_id), mapping={"model": model, "load": 0})
     client.expire(keys.worker(worker_id), 30)

@@ -11,9 +11,9 @@ import yaml
 from api.settings import ApiSettings
 from infra.autoscaler.settings import AutoscalerSettings
 from tests.infra.hcl import TERRAFORM
-from worker.keys import GROUP, Keys
-from worker.settings import WorkerSettings
-from worker.webhooks import WebhookSettings
+from worker.protocol.keys import GROUP, Keys
+from worker.serve.settings import WorkerSettings
+from worker.webhooks.delivery import WebhookSettings
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 K8S = INFRA / "k8s"

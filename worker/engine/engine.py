@@ -17,12 +17,12 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
 from worker.engine.model_runner import ModelRunner, StepOutput
 from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from worker.engine.proposers import DraftProposer, NgramProposer, load_draft
 from worker.engine.request import Request
 from worker.engine.sampler import advance_generator
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.spec_decode import SpecDecoder, SpecDecodeStats
+from worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
+from worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draft
 from worker.models.config import ModelArch
 from worker.models.loader import load_model, parse_dtype, resolve_model_path
 
@@ -101,8 +101,8 @@ class Engine:
             self.model_dir.name, self.arch.architecture, self.device, self.dtype, num_blocks,
             self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
-        # Lazy import: worker.snapshot imports this package. Restoring never raises (cold start).
-        from worker.snapshot import SnapshotStats, restore_snapshot
+        # Lazy import: worker.snapshots.snapshot imports this package. Restoring never raises (cold start).
+        from worker.snapshots.snapshot import SnapshotStats, restore_snapshot
 
         self.snapshot_stats = SnapshotStats()  # ferry_snapshot_* counters
         if cfg.snapshot_url:
@@ -278,7 +278,7 @@ class Engine:
 
         Returns a SnapshotInfo (blocks, tokens, bytes, key), or None when the cache is empty or,
         with `only_if_changed`, unchanged since the last save or restore. Raises SnapshotError."""
-        from worker.snapshot import save_snapshot
+        from worker.snapshots.snapshot import save_snapshot
 
         url = url or self.config.snapshot_url
         if not url:

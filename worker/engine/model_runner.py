@@ -11,7 +11,7 @@ from kernels import AttentionMetadata
 from worker.engine.outputs import PositionLogprobs
 from worker.engine.sampler import SamplerOutput, sample
 from worker.engine.scheduler import SchedulerOutput
-from worker.engine.spec_decode import verify
+from worker.engine.spec.decode import verify
 from worker.models.config import ModelArch
 
 log = logging.getLogger(__name__)

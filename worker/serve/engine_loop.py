@@ -1,0 +1,391 @@
+"""The engine thread: admits started jobs, steps the engine, turns its outputs into `JobWrite`s.
+
+Only this thread touches the engine. Other threads talk to it through `start`, `abort` and
+`hand_back_all`, which only queue a command; the thread takes commands between steps and hands
+each step's writes to the publisher without waiting for Redis.
+
+Arrivals: the intake `announce`s jobs it has read and is still preparing, then `start`s them in
+chunks. While announced jobs are on their way and the requests already here would not fill a
+step, the thread waits for them (briefly) rather than step half-empty; once a step is full it
+goes at once, and the rest are admitted during that step (a burst's first jobs do not wait for
+the whole burst to be prepared).
+
+A re-delivered job is admitted with its prompt and the tokens already generated as the engine
+request's earlier output (`output_token_ids`), so max/min tokens, penalties and a seed continue
+where the first attempt stopped. Its text is produced by a
+detokenizer of its own that has replayed the earlier tokens, so a character or a stop string
+that straddles the hand-over comes out exactly as in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.engine import SamplingParams
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.outputs import RequestOutput
+from worker.protocol.jobs import (
+    ENGINE_PRIORITY,
+    CancelledEvent,
+    CompletedEvent,
+    ErrorCode,
+    FailedEvent,
+    TimedOutEvent,
+    Timings,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from worker.serve.intake import JobStart
+from worker.serve.metrics import WorkerMetrics
+from worker.serve.publisher import JobWrite, end_write
+
+log = logging.getLogger("ferry.worker.runner")
+
+_STATS_INTERVAL_S = 0.25  # how often the engine's stats are copied out for /metrics and the heartbeat
+_ARRIVAL_WAIT_S = 0.02  # longest wait for announced jobs before stepping without them
+_IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its timers
+
+
+@dataclass(slots=True)
+class _Run:
+    """One job in the engine."""
+
+    start: JobStart
+    prompt_len: int  # the job's own prompt (not counting resumed tokens)
+    next_seq: int
+    token_ids: list[int]  # every generated token, earlier attempts included
+    text: list[str]  # every released text piece, earlier attempts included
+    first_token_at: float | None
+    detok: IncrementalDetokenizer | None = None  # resumed jobs only
+    cached_tokens: int = 0
+    pending: list = field(default_factory=list)  # events of this step not yet handed over
+
+    def seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
+
+
+class JobRunner:
+    def __init__(self, engine, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
+                 snapshot_every_s: float | None = None) -> None:
+        self.engine = engine
+        self.snapshot_every_s = snapshot_every_s  # save the prefix cache this often (when it changed), while idle
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.submit = submit
+        self.runs: dict[str, _Run] = {}
+        self.stats = None  # latest EngineStats, replaced whole (read by other threads)
+        self.stop = threading.Event()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._arriving = 0  # jobs announced by the intake and not yet started or settled
+        self._arriving_lock = threading.Lock()
+        self._stats_at = 0.0
+        self._snapshot_at = time.monotonic()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # --- commands (any thread) -----------------------------------------------------------------
+
+    def announce(self, count: int) -> None:
+        """`count` jobs were read and are being prepared: each later `start(..., arrived=)` or
+        `settle` accounts for some of them."""
+        with self._arriving_lock:
+            self._arriving += count
+
+    @property
+    def arriving(self) -> int:
+        """Jobs announced and not yet started or settled (the worker is not idle while any are)."""
+        return self._arriving
+
+    def start(self, jobs: list[JobStart], arrived: int = 0) -> None:
+        """Admit `jobs` together (they share their first step); `arrived` announced jobs are now
+        accounted for (started here or settled otherwise)."""
+        self._inbox.put(("start", jobs, arrived))
+
+    def settle(self, arrived: int) -> None:
+        """`arrived` announced jobs will not come (the intake gave up on them)."""
+        self._inbox.put(("start", [], arrived))
+
+    def abort(self, job_id: str, reason: str) -> None:
+        """reason: "cancelled" (write the cancelled event) or "lost" (another worker has it: write nothing)."""
+        self._inbox.put(("abort", job_id, reason))
+
+    def hand_back_all(self) -> None:
+        """Stop every job now and hand it back to the queue (drain ran out of time)."""
+        self._inbox.put(("hand_back",))
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            writes: list[JobWrite] = []
+            self._take_commands(writes, _IDLE_POLL_S if not self.engine.has_unfinished_requests() else None)
+            self._await_arrivals(writes)
+            self._expire(writes)
+            if self.engine.has_unfinished_requests():
+                writes += self._step()
+            elif self.snapshot_every_s is not None and time.monotonic() - self._snapshot_at > self.snapshot_every_s:
+                self._snapshot()
+            now = time.monotonic()
+            # A job's end refreshes them before its terminal write goes out: whoever sees the job
+            # finished and then scrapes /metrics sees its tokens counted.
+            if now - self._stats_at > _STATS_INTERVAL_S or any(w.terminal for w in writes):
+                self._stats_at = now
+                self.stats = self.engine.stats()
+                self.metrics.set_engine_stats(self.stats)
+            if writes:
+                self.submit(writes)
+
+    def _snapshot(self) -> None:
+        """Periodic save, only between jobs: a running job's step never waits on the store."""
+        self._snapshot_at = time.monotonic()
+        try:
+            info = self.engine.save_snapshot(only_if_changed=True)
+        except Exception:
+            log.exception("periodic snapshot failed")
+            return
+        if info is not None:
+            log.info("snapshot saved", extra={"blocks": info.blocks, "key": info.key})
+
+    def _await_arrivals(self, writes: list[JobWrite]) -> None:
+        """Announced jobs would join the next step: take them first, unless the step is full anyway."""
+        deadline = time.monotonic() + _ARRIVAL_WAIT_S
+        while self._arriving > 0 and not self.engine.next_step_is_full():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._take_commands(writes, remaining)
+
+    def _take_commands(self, writes: list[JobWrite], wait_s: float | None) -> None:
+        """Run every queued command; wait up to `wait_s` for the first (None: do not wait)."""
+        try:
+            command = self._inbox.get(timeout=wait_s) if wait_s is not None else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, *args = command
+            if kind == "start":
+                jobs, arrived = args
+                for job in jobs:
+                    writes += self._admit(job)
+                if arrived:
+                    with self._arriving_lock:
+                        self._arriving -= arrived
+            elif kind == "abort":
+                writes += self._abort(*args)
+            else:
+                writes += self._hand_back()
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> list[JobWrite]:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the engine failed on this batch: fail its jobs, keep serving others
+            log.exception("engine step failed")
+            return [self._fail(job_id, ErrorCode.ENGINE_ERROR, f"engine error: {exc}") for job_id in list(self.runs)]
+        writes = []
+        for out in outputs:
+            run = self.runs.get(out.request_id)
+            if run is not None:  # None: an abort we already settled
+                write = self._on_output(run, out)
+                if write is not None:
+                    writes.append(write)
+        return writes
+
+    # --- admitting ---------------------------------------------------------------------------------
+
+    def _admit(self, job: JobStart) -> list[JobWrite]:
+        req = job.request
+        resumed = job.resume.token_ids
+        run = _Run(job, 0, job.resume.next_seq, list(resumed), [job.resume.text] if job.resume.text else [],
+                   job.first_token_at)
+        self.runs[job.job_id] = run
+        try:
+            prompt_ids = self._prompt_ids(req)
+        except Exception as exc:  # tokenizer or chat-template errors (jinja raises its own types): bad input
+            return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, f"{type(exc).__name__}: {exc}")]
+        run.prompt_len = len(prompt_ids)
+        if len(prompt_ids) >= self.engine.max_model_len:
+            return [self._fail(job.job_id, ErrorCode.PROMPT_TOO_LONG,
+                               f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.engine.max_model_len}")]
+        if resumed and (len(resumed) >= req.max_tokens or len(prompt_ids) + len(resumed) >= self.engine.max_model_len):
+            return [self._complete(run, "length", None, [])]  # the earlier attempt had reached its end
+        try:
+            params = SamplingParams(**req.sampling_kwargs())
+        except (ValueError, TypeError) as exc:
+            return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
+        try:
+            # The engine counts the earlier tokens as this request's own output (max/min tokens,
+            # penalties, a seed's position), so the rest is what an uninterrupted run would give.
+            self.engine.add_request(job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority],
+                                    output_token_ids=resumed)
+        except ValueError as exc:
+            return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
+        except Exception as exc:
+            log.exception("engine refused a request", extra={"job_id": job.job_id})
+            return [self._fail(job.job_id, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")]
+        if resumed and self.engine.tokenizer is not None:
+            run.detok = _replayed_detokenizer(self.engine.tokenizer, prompt_ids, params.stop_strings, resumed,
+                                              req.min_tokens, len(job.resume.text))
+        log.info("job admitted", extra={"job_id": job.job_id, "attempt": job.attempts, "prompt_tokens": len(prompt_ids),
+                                        "resumed_tokens": len(resumed)})
+        return []
+
+    def _prompt_ids(self, req) -> list[int]:
+        if req.messages is not None:
+            return self.engine.apply_chat_template([m.for_template() for m in req.messages])
+        if isinstance(req.prompt, str):
+            return self.engine.encode(req.prompt)
+        return list(req.prompt)
+
+    # --- outputs -------------------------------------------------------------------------------------
+
+    def _on_output(self, run: _Run, out: RequestOutput) -> JobWrite | None:
+        job = run.start
+        first_token_at = None
+        stop_hit = None
+        if out.new_token_ids:
+            if run.first_token_at is None:
+                run.first_token_at = first_token_at = time.time()
+                self.metrics.ttft.observe(first_token_at - job.request.created_at)
+            run.token_ids += out.new_token_ids
+            text, stop_hit = self._text(run, out)
+            run.text.append(text)
+            run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
+            run.pending.append(TokenEvent(seq=run.seq(), text=text, token_ids=out.new_token_ids,
+                                          logprobs=_logprobs(out, job.request.top_logprobs)))
+        elif out.new_text:  # held-back text released at the end
+            run.text.append(out.new_text)
+            run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[]))
+        if stop_hit is not None and not out.finished:
+            self.engine.abort(job.job_id)  # the stop string straddled the resume point: the engine could not see it
+            return self._complete(run, "stop", stop_hit, out.metrics.inter_token_latencies)
+        if out.finished:
+            if out.finish_reason in ("stop", "length"):
+                return self._complete(run, out.finish_reason, out.stop_reason, out.metrics.inter_token_latencies)
+            return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, f"engine ended the request ({out.finish_reason})")
+        events, run.pending = run.pending, []
+        return JobWrite(job.job_id, job.delivery, events=events, first_token_at=first_token_at) if events or first_token_at else None
+
+    def _text(self, run: _Run, out: RequestOutput) -> tuple[str, str | None]:
+        if run.detok is None:
+            return out.new_text, None
+        stop_hit = None
+        for i, token in enumerate(out.new_token_ids):
+            final = out.finished and i == len(out.new_token_ids) - 1
+            check = len(run.token_ids) - len(out.new_token_ids) + i + 1 >= run.start.request.min_tokens
+            stop_hit = run.detok.add_tokens([token], final=final, check_stop=check) or stop_hit
+        return run.detok.take_delta(out.finished or stop_hit is not None), stop_hit
+
+    # --- endings --------------------------------------------------------------------------------------
+
+    def _complete(self, run: _Run, finish_reason: str, stop_reason, itls: list[float]) -> JobWrite:
+        for itl in itls:
+            self.metrics.itl.observe(itl)
+        event = CompletedEvent(seq=run.seq(), finish_reason=finish_reason, stop_reason=stop_reason, usage=self._usage(run),
+                               timings=self._timings(run))
+        return self._end(run, event)
+
+    def _fail(self, job_id: str, code: str, message: str) -> JobWrite:
+        run = self.runs[job_id]
+        log.warning("job failed", extra={"job_id": job_id, "code": code, "error": message})
+        return self._end(run, FailedEvent(seq=run.seq(), code=code, message=message))
+
+    def _end(self, run: _Run, event) -> JobWrite:
+        job = run.start
+        self.runs.pop(job.job_id, None)
+        self.engine.abort(job.job_id)  # no-op (False) when the engine already finished it
+        self.metrics.e2e.observe(event.ts - job.request.created_at)
+        result = {
+            "text": "".join(run.text),
+            "token_ids": json.dumps(run.token_ids),
+            "usage": self._usage(run).model_dump_json(),
+            "timings": self._timings(run, event.ts).model_dump_json(),
+        }
+        if isinstance(event, CompletedEvent):
+            result |= {"finish_reason": event.finish_reason, "stop_reason": json.dumps(event.stop_reason)}
+        events, run.pending = run.pending, []
+        return end_write(job.job_id, job.delivery, event, self.worker_id, result, events_before=events)
+
+    def _abort(self, job_id: str, reason: str) -> list[JobWrite]:
+        run = self.runs.get(job_id)
+        if run is None:
+            return []
+        if reason == "lost":
+            self.runs.pop(job_id)
+            self.engine.abort(job_id)
+            log.warning("job lost to another worker", extra={"job_id": job_id})
+            return []
+        return [self._end(run, CancelledEvent(seq=run.seq()))]
+
+    def _expire(self, writes: list[JobWrite]) -> None:
+        now = time.time()
+        for job_id, run in list(self.runs.items()):
+            if now > run.start.deadline:
+                timeout = run.start.deadline - run.start.started_at
+                writes.append(self._end(run, TimedOutEvent(seq=run.seq(), code=ErrorCode.EXECUTION_TIMEOUT,
+                                                           message=f"ran longer than timeout_s={timeout:g}")))
+                log.warning("job timed out", extra={"job_id": job_id})
+
+    def _hand_back(self) -> list[JobWrite]:
+        writes = []
+        for job_id, run in list(self.runs.items()):
+            self.runs.pop(job_id)
+            self.engine.abort(job_id)
+            events, run.pending = run.pending, []
+            # This delivery does not count against max_attempts: the worker left, the job did not fail.
+            writes.append(JobWrite(job_id, run.start.delivery, events=events, hand_back=True, attempts=run.start.attempts - 1))
+        return writes
+
+    # --- result fields -------------------------------------------------------------------------------
+
+    def _usage(self, run: _Run) -> Usage:
+        n = len(run.token_ids)
+        return Usage(prompt_tokens=run.prompt_len, completion_tokens=n, total_tokens=run.prompt_len + n,
+                     cached_tokens=run.cached_tokens)
+
+    def _timings(self, run: _Run, finished_at: float | None = None) -> Timings:
+        created = run.start.request.created_at
+        end = finished_at or time.time()
+        first = run.first_token_at
+        n = len(run.token_ids)
+        return Timings(
+            queue_s=run.start.started_at - created,
+            ttft_s=None if first is None else first - created,
+            tbt_s=(end - first) / (n - 1) if first is not None and n > 1 else None,
+            total_s=end - created,
+        )
+
+
+def _replayed_detokenizer(tokenizer, prompt_ids: list[int], stop_strings: list[str], earlier: list[int],
+                          min_tokens: int, emitted_chars: int) -> IncrementalDetokenizer:
+    """A detokenizer in the state the first attempt's was in after `earlier` (token by token, as the engine feeds it)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop_strings)
+    for i, token in enumerate(earlier):
+        detok.add_tokens([token], final=False, check_stop=i + 1 >= min_tokens)
+    detok.num_emitted_chars = emitted_chars
+    return detok
+
+
+def _logprobs(out: RequestOutput, top_n: int) -> list[TokenLogprob] | None:
+    if out.new_logprobs is None:
+        return None
+    result = []
+    for token, position in zip(out.new_token_ids, out.new_logprobs, strict=True):
+        sampled = position[token]
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
+        result.append(TokenLogprob(
+            token_id=token, token=sampled.decoded_token, logprob=sampled.logprob,
+            top=[TopLogprob(token_id=t, token=lp.decoded_token, logprob=lp.logprob) for t, lp in ranked],
+        ))
+    return result

@@ -1,0 +1,390 @@
+"""`ferry worker`: one engine fed by Redis Streams, tokens out over pub/sub and a durable event stream.
+
+Threads (the engine's never waits on the network):
+- engine (`JobRunner`): admits jobs, steps, hands each step's events to the publisher;
+- publisher: one pipelined round trip per batch of steps (`worker.serve.publisher`);
+- intake: renews leases, reaps dead workers' jobs, reads the queues while the engine has room,
+  decides and starts jobs (`worker.serve.intake`);
+- cancel listener (`{p}:cancel`), heartbeat (`{p}:worker:{id}` with a TTL), HTTP (`worker.serve.health`);
+- main: signals, idle exit, drain.
+
+Drain (SIGTERM/SIGINT, or idle for `idle_timeout_s`): stop pulling; let running jobs finish for up
+to `drain_timeout_s`; hand the rest back to the queue at once (another worker resumes them from
+their event streams); snapshot the prefix cache when the engine can and a URL is set; exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+import redis
+
+from worker.protocol.keys import Keys
+from worker.serve import jsonlog
+from worker.serve.health import serve
+from worker.serve.intake import Consumer
+from worker.serve.metrics import WorkerMetrics
+from worker.serve.publisher import Delivery, JobWrite, Publisher, PublisherThread
+from worker.serve.retry import UNAVAILABLE, Stopped, call_with_backoff
+from worker.serve.settings import WorkerSettings
+
+log = logging.getLogger("ferry.worker")
+
+_FIRST_CHUNK = 8  # jobs of a burst decided and started first, so the engine can start stepping early
+_HAND_BACK_WAIT_S = 10.0  # how long a drain waits for hand-backs to reach Redis before leaving them to the reaper
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.model = settings.served_model_name
+        self.keys = Keys(settings.key_prefix)
+        self.client = redis.Redis.from_url(
+            settings.redis_url, decode_responses=True, socket_connect_timeout=2.0,
+            socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0), health_check_interval=5,
+        )
+        self.metrics = WorkerMetrics()
+        self.draining = threading.Event()  # stop pulling new jobs
+        self.stop = threading.Event()  # every thread exits
+        self.leases: dict[str, Delivery] = {}  # job id -> its queue entry, from start until its last write
+        self._leases_lock = threading.Lock()
+        self._room = threading.Event()
+        self._ready = False
+        self.engine = None
+        self.runner = None
+        self._intake_thread: threading.Thread | None = None
+        self.fingerprint = ""
+        self.consumer = Consumer(self.client, self.keys, settings, self.worker_id)
+        self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s)
+        self.publisher_thread = PublisherThread(self.publisher, self._on_written, self.stop, settings.redis_backoff_max_s)
+
+    # --- process -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        threading.excepthook = self._thread_crashed
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._begin_drain("signal"))
+        http = serve(self.settings.metrics_host, self.settings.metrics_port, self.metrics.registry,
+                     lambda: self._ready and not self.draining.is_set())
+        try:
+            self._load_engine()
+            if self.draining.is_set():
+                return 0
+            self._backoff("ensure groups", self.draining, self.consumer.ensure_groups)
+            self._start_threads()
+            self._ready = True
+            self.metrics.ready.set(1)
+            log.info("worker ready", extra={"model": self.model, "max_num_seqs": self.settings.max_num_seqs})
+            self._wait_until_drain()
+            return self._drain()
+        except Stopped:
+            return self._drain()
+        finally:
+            self.stop.set()
+            http.shutdown()
+
+    def _thread_crashed(self, args: threading.ExceptHookArgs) -> None:
+        """A worker thread died: the process cannot keep its promises, so it exits at once. Its jobs
+        are not ACKed; another worker reclaims them after the lease."""
+        log.critical("thread crashed: exiting", exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+                     extra={"thread": args.thread.name if args.thread else None})
+        logging.shutdown()
+        os._exit(70)
+
+    def _load_engine(self) -> None:
+        import torch
+
+        from worker.engine import Engine
+        from worker.serve.engine_loop import JobRunner
+        from worker.snapshots.snapshot import SnapshotCollector, fingerprint
+
+        if self.settings.torch_threads:
+            torch.set_num_threads(self.settings.torch_threads)
+        started = time.monotonic()
+        self.engine = Engine(self.settings.model, **self.settings.engine_kwargs())  # restores the snapshot, if any
+        self.fingerprint = fingerprint(self.engine)
+        self.metrics.registry.register(SnapshotCollector(lambda: self.engine.snapshot_stats))
+        log.info("engine loaded", extra={"model": self.model, "seconds": round(time.monotonic() - started, 2),
+                                         "fingerprint": self.fingerprint})
+        snapshot_every = self.settings.snapshot_interval_s if self.settings.snapshot_url else None
+        self.runner = JobRunner(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, snapshot_every)
+
+    def _start_threads(self) -> None:
+        self.runner.thread.start()
+        self.publisher_thread.thread.start()
+        self._intake_thread = threading.Thread(target=self._intake, name="intake", daemon=True)
+        self._intake_thread.start()
+        threading.Thread(target=self._cancel_listener, name="cancel", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def _wait_until_drain(self) -> None:
+        idle_since = time.monotonic()
+        while not self.draining.wait(0.1):
+            if self.leases or self.runner.runs or self.runner.arriving:
+                idle_since = time.monotonic()
+            elif self.settings.idle_timeout_s is not None and time.monotonic() - idle_since > self.settings.idle_timeout_s:
+                self._begin_drain("idle")
+
+    def _begin_drain(self, reason: str) -> None:
+        if not self.draining.is_set():
+            log.info("drain started", extra={"reason": reason, "jobs": len(self.leases)})
+            self.draining.set()
+            self._room.set()
+
+    def _drain(self) -> int:
+        self._begin_drain("stopped")
+        if self.runner is None:
+            return 0
+        if self._intake_thread is not None and self._intake_thread.is_alive():
+            self._intake_thread.join(self.settings.read_block_ms / 1000 + 5.0)
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.leases and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.leases:
+            log.info("handing back jobs", extra={"jobs": len(self.leases)})
+            self.runner.hand_back_all()
+            deadline = time.monotonic() + _HAND_BACK_WAIT_S
+            while self.leases and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self.runner.stop.set()
+        self.runner.thread.join(30.0)
+        self.publisher_thread.flush(_HAND_BACK_WAIT_S)
+        if self.leases:
+            log.warning("jobs left to the reaper", extra={"jobs": sorted(self.leases)})
+        self._save_snapshot()
+        self.stop.set()
+        try:
+            self.client.delete(self.keys.worker(self.worker_id))
+            self.client.zrem(self.keys.workers, self.worker_id)
+        except UNAVAILABLE:
+            pass  # the heartbeat key expires by itself
+        log.info("drain finished")
+        return 0
+
+    def _save_snapshot(self) -> None:
+        """Save the prefix cache on the way out (the engine thread has stopped: safe to touch the engine)."""
+        if not self.settings.snapshot_url:
+            return
+        started = time.monotonic()
+        try:
+            info = self.engine.save_snapshot()
+        except Exception:
+            log.exception("snapshot failed", extra={"url": self.settings.snapshot_url})
+            return
+        log.info("snapshot saved", extra={"url": self.settings.snapshot_url, "blocks": info.blocks if info else 0,
+                                          "seconds": round(time.monotonic() - started, 2)})
+
+    def _backoff(self, what: str, stop: threading.Event, fn, *args):
+        """fn(*args), retried while Redis is unreachable (raises Stopped once `stop` is set)."""
+        return call_with_backoff(functools.partial(fn, *args), what=what, stop=stop,
+                                 max_delay_s=self.settings.redis_backoff_max_s)
+
+    # --- intake --------------------------------------------------------------------------------
+
+    def _room_now(self) -> int:
+        stats = self.runner.stats
+        if stats is not None and stats.num_waiting > 0:
+            return 0  # the engine is short of KV: let the queue hold the work
+        return self.settings.max_num_seqs - len(self.leases)
+
+    def _intake(self) -> None:
+        s = self.settings
+        next_renew = next_reap = 0.0
+        try:
+            while not self.draining.is_set():
+                now = time.monotonic()
+                if now >= next_renew:
+                    self._backoff("renew leases", self.draining, self._renew)
+                    next_renew = now + s.lease_renew_interval_s
+                self._room.clear()
+                room = self._room_now()
+                if room <= 0:
+                    self._room.wait(min(0.1, max(0.0, next_renew - now)))
+                    continue
+                deliveries: list[Delivery] = []
+                if now >= next_reap:
+                    held = {d.entry_id for d in list(self.leases.values())}
+                    deliveries = self._backoff("reap", self.draining, self.consumer.reap, room, held)
+                    next_reap = now + s.reaper_interval_s
+                if not deliveries:
+                    block_ms = int(min(s.read_block_ms, 1000 * max(0.001, min(next_renew, next_reap) - now)))
+                    deliveries = self._backoff("read queue", self.draining, self.consumer.read, room, block_ms)
+                if deliveries:
+                    self._take_safely(deliveries)
+        except Stopped:
+            pass
+
+    def _take_safely(self, deliveries: list[Delivery]) -> None:
+        """Start `deliveries` in two chunks: the engine may begin a step with the first while the
+        rest are prepared (it waits for them only while its next step is not full). The rest go
+        together: each chunk costs two round trips and a hand-over to the engine thread, and a
+        32-job burst took 1.1 ms a chunk of 8 to start."""
+        pending = len(deliveries)
+        self.runner.announce(pending)
+        try:
+            for chunk in (deliveries[:_FIRST_CHUNK], deliveries[_FIRST_CHUNK:]):
+                if not chunk:
+                    continue
+                self._backoff("start jobs", self.draining, self._take, chunk)
+                pending -= len(chunk)
+        except Stopped:
+            raise
+        except Exception:
+            # A bug or an entry we cannot handle: keep serving. The entries stay pending under our
+            # name, so the reaper offers them again after the lease (counting attempts up to the DLQ).
+            log.exception("could not take jobs", extra={"entries": [d.entry_id for d in deliveries]})
+            self.draining.wait(1.0)
+        finally:
+            if pending:
+                self.runner.settle(pending)
+
+    def _take(self, deliveries: list[Delivery]) -> None:
+        """Decide and start `deliveries`; ends by telling the engine they all arrived (started or settled)."""
+        if self.draining.is_set():
+            # Read after the drain began: give them straight back (another worker takes them now).
+            self.publisher.write([JobWrite(d.fields["job_id"], d, hand_back=True) for d in deliveries if d.fields.get("job_id")])
+            self.runner.start([], arrived=len(deliveries))
+            return
+        fresh, duplicates = [], []
+        for d in deliveries:
+            (duplicates if d.fields.get("job_id") in self.leases else fresh).append(d)
+        starts, writes = self.consumer.prepare(fresh)
+        writes += [JobWrite(None, d, terminal=True) for d in duplicates]  # a second entry for a job running here
+        if writes:
+            self._on_written(writes, self.publisher.write(writes))
+        for job in starts:
+            with self._leases_lock:
+                self.leases[job.job_id] = job.delivery
+            if job.delivery.reclaimed:
+                self.metrics.reclaimed.inc()
+            if job.attempts == 1:
+                self.metrics.queue_time.observe(job.started_at - job.request.created_at)
+            log.info("job reclaimed" if job.delivery.reclaimed else "job picked",
+                     extra={"job_id": job.job_id, "attempt": job.attempts, "priority": job.request.priority.value,
+                            "resume_tokens": len(job.resume.token_ids)})
+        self.runner.start(starts, arrived=len(deliveries))
+
+    def _renew(self) -> None:
+        held = list(self.leases.items())
+        lost, cancelled = self.consumer.renew(held)
+        for job_id in lost:
+            self._release(job_id)
+            self.runner.abort(job_id, "lost")
+        for job_id in cancelled - lost:
+            self.runner.abort(job_id, "cancelled")
+
+    def _release(self, job_id: str) -> None:
+        with self._leases_lock:
+            self.leases.pop(job_id, None)
+        self._room.set()
+
+    def _on_written(self, writes: list[JobWrite], lost: set[str]) -> None:
+        """Called once writes reached Redis: ended and handed-back jobs free their slot."""
+        for w in writes:
+            if w.job_id in lost:
+                continue
+            if w.terminal and w.result is not None:
+                state = w.result["state"]
+                self.metrics.jobs.labels(state).inc()
+                log.info("job finished", extra={"job_id": w.job_id, "state": state, "code": w.result.get("error_code")})
+            if w.hand_back:
+                self.metrics.handed_back.inc()
+                log.info("job handed back", extra={"job_id": w.job_id})
+            if (w.terminal or w.hand_back) and w.job_id is not None:
+                self._release(w.job_id)
+        for job_id in lost:
+            log.warning("job lost to another worker", extra={"job_id": job_id})
+            self._release(job_id)
+            self.runner.abort(job_id, "lost")
+
+    # --- side threads ---------------------------------------------------------------------------
+
+    def _cancel_listener(self) -> None:
+        delay = 0.05
+        while not self.stop.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.keys.cancel)
+                delay = 0.05
+                while not self.stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message and message["data"] in self.leases:
+                        log.info("cancel requested", extra={"job_id": message["data"]})
+                        self.runner.abort(message["data"], "cancelled")
+            except UNAVAILABLE:
+                self.stop.wait(delay)  # cancels missed meanwhile are caught by the lease renewal's flag check
+                delay = min(self.settings.redis_backoff_max_s, delay * 2)
+            finally:
+                pubsub.close()
+
+    def _heartbeat(self) -> None:
+        s = self.settings
+        while not self.stop.is_set():
+            stats = self.runner.stats
+            now = time.time()
+            beat = {
+                "model": self.model,
+                "fingerprint": self.fingerprint,
+                "load": f"{len(self.leases) / s.max_num_seqs:.3f}",
+                "jobs": str(len(self.leases)),
+                "running": str(stats.num_running if stats else 0),
+                "waiting": str(stats.num_waiting if stats else 0),
+                "max_num_seqs": str(s.max_num_seqs),
+                "state": "draining" if self.draining.is_set() else "ready",
+                "ts": repr(now),
+            }
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hset(self.keys.worker(self.worker_id), mapping=beat)
+                pipe.expire(self.keys.worker(self.worker_id), max(1, int(s.heartbeat_ttl_s)))
+                pipe.zadd(self.keys.workers, {self.worker_id: now})
+                pipe.zadd(self.keys.models, {self.model: now})
+                for stream in self.consumer.streams:
+                    pipe.xinfo_groups(stream)
+                *_, groups_a, groups_b, groups_c = pipe.execute(raise_on_error=False)
+                self.metrics.queue_lag.set(sum(_lag(g) for g in (groups_a, groups_b, groups_c)))
+            except UNAVAILABLE:
+                pass  # the intake logs the outage; the key's TTL tells the others
+            self.stop.wait(s.heartbeat_interval_s)
+
+
+def _lag(groups) -> int:
+    if isinstance(groups, Exception):
+        return 0
+    return sum(g.get("lag") or 0 for g in groups if g.get("name") == "workers")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ferry worker", description="Run a worker: Redis Streams in, tokens out. "
+                                "Every option also reads FERRY_<NAME> from the environment.")
+    p.add_argument("--model", help="model directory (FERRY_MODEL)")
+    p.add_argument("--model-name", help="served model name (default: the directory's name)")
+    p.add_argument("--redis-url")
+    p.add_argument("--key-prefix")
+    p.add_argument("--worker-id")
+    p.add_argument("--dtype")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--metrics-port", type=int, help="port of /healthz, /readyz, /metrics (0: any free port)")
+    p.add_argument("--idle-timeout-s", type=float, help="exit after this long with nothing to do")
+    p.add_argument("--drain-timeout-s", type=float)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    settings = WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})
+    worker = Worker(settings)
+    jsonlog.configure(worker.worker_id)
+    return worker.run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Commands for people at a terminal: `ferry up`, `ferry generate`, and the demo-model builder."""

@@ -1,0 +1,299 @@
+"""`ferry up`: the whole stack on this machine, until Ctrl-C.
+
+Starts Redis (only if none answers at FERRY_REDIS_URL), `ferry api`, one `ferry worker` and
+`ferry webhooks`, each a child process whose output is prefixed with its name. If FERRY_MODEL
+names a directory that does not exist, a small demo model is written there first (random Llama
+weights, a real byte-level BPE tokenizer). Ctrl-C or SIGTERM stops everything it started, last
+started first.
+
+`ferry up --demo` waits until the stack is ready, streams a few completions through the API as
+a client would (OpenAI-compatible SSE), prints each one's text as it arrives with its time to
+first token and time between tokens, then shuts the stack down and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import redis
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.serve.settings import SHIPPED_DEMO_MODEL
+from worker.webhooks.delivery import new_secret
+
+DEMO_PROMPTS = [
+    "Ferry is a serverless inference worker that",
+    "The quick brown fox",
+    "def fibonacci(n):",
+]
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+class UpSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = SHIPPED_DEMO_MODEL
+    host: str = "127.0.0.1"  # the API's bind address under `ferry up` (local by default)
+    port: int = 8000
+    state_dir: str = ".ferry"  # where `up` keeps the generated webhook secret
+    webhook_secret: str | None = None
+    api_key: str | None = None  # the key the demo client sends, when the API has keys configured
+    ready_timeout_s: float = 300.0
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM."""
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    pump: threading.Thread
+
+
+class Supervisor:
+    """Child processes with their output prefixed by name; stops them last-started first."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self._print_lock = threading.Lock()
+        self._held: list[str] | None = None  # children's lines kept back while the demo prints
+
+    def say(self, name: str, line: str) -> None:
+        text = f"{name:<9}| {line}"
+        with self._print_lock:
+            if self._held is not None and name != "up":
+                self._held.append(text)
+            else:
+                print(text, flush=True)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Keep children's output back (so it does not cut through streamed text), then print it."""
+        with self._print_lock:
+            self._held = []
+        try:
+            yield
+        finally:
+            with self._print_lock:
+                held, self._held = self._held, None
+                for text in held:
+                    print(text, flush=True)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        # Own session: a terminal's Ctrl-C reaches only `up`, which then stops children in order.
+        popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        pump = threading.Thread(target=self._pump, args=(name, popen), name=f"log-{name}", daemon=True)
+        pump.start()
+        child = Child(name, popen, pump)
+        self.children.append(child)
+        self.say("up", f"started {name} (pid {popen.pid})")
+        return child
+
+    def _pump(self, name: str, popen: subprocess.Popen) -> None:
+        for raw in popen.stdout:
+            self.say(name, raw.decode(errors="replace").rstrip())
+
+    def exited(self) -> Child | None:
+        return next((c for c in self.children if c.popen.poll() is not None), None)
+
+    def stop_all(self, timeout_s: float = 30.0) -> None:
+        for child in reversed(self.children):
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+                try:
+                    child.popen.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.say("up", f"{child.name} did not stop in {timeout_s:.0f}s: killing it")
+                    child.popen.kill()
+                    child.popen.wait()
+            child.pump.join(2.0)
+            code = child.popen.returncode
+            self.say("up", f"{child.name} stopped" if code in (0, -signal.SIGTERM) else f"{child.name} exited with {code}")
+
+
+def _ferry(*args: str) -> list[str]:
+    return [sys.executable, "-m", "worker.cli", *args]
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0) as client:
+            return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def ensure_redis(sup: Supervisor, url: str) -> None:
+    if _redis_answers(url):
+        sup.say("up", f"using the Redis at {url}")
+        return
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit(f"ferry up: no Redis answers at {url}, and it is not local, so it cannot be started here")
+    port = str(parsed.port or 6379)
+    sup.start("redis", ["redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+              dict(os.environ))
+    _wait(lambda: _redis_answers(url), 15.0, "Redis", sup)
+
+
+def ensure_model(sup: Supervisor, model: str, env: dict[str, str]) -> str:
+    """The model to serve: the configured one, or a demo model written where it points."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    if _HUB_ID.match(model) and not model.startswith("."):
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return model  # a hub id already in the local cache: the worker loads it
+    sup.say("up", f"no model at {path}: writing a small demo model there (random weights, real tokenizer)")
+    child = sup.start("model", [sys.executable, "-m", "worker.tools.demo_model", str(path)], env)
+    if child.popen.wait() != 0:
+        raise SystemExit("ferry up: could not write the demo model")
+    sup.children.remove(child)
+    return str(path.resolve())
+
+
+def webhook_secret(settings: UpSettings) -> str:
+    """FERRY_WEBHOOK_SECRET, else one kept in the state dir (so receivers can keep verifying)."""
+    if settings.webhook_secret:
+        return settings.webhook_secret
+    path = Path(settings.state_dir) / "webhook_secret"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(new_secret() + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def _wait(ready, timeout_s: float, what: str, sup: Supervisor) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (dead := sup.exited()) is not None:
+            raise SystemExit(f"ferry up: {dead.name} exited with {dead.popen.returncode} before {what} was ready")
+        if ready():
+            return
+        time.sleep(0.25)
+    raise SystemExit(f"ferry up: {what} was not ready after {timeout_s:.0f}s")
+
+
+def _api_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class StreamedCompletion:
+    text: str
+    ttft_s: float  # request sent -> first text at the client
+    tbt_s: float | None  # mean time between tokens after the first, at the client
+    completion_tokens: int
+
+
+def stream_completion(client: httpx.Client, prompt: str, max_tokens: int, on_text) -> StreamedCompletion:
+    """One OpenAI-compatible streamed completion, timed at the client."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = last = None
+    text, tokens = "", 0
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"completion failed: {response.status_code} {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice["text"]:
+                    last = time.perf_counter()
+                    first = first or last
+                    text += choice["text"]
+                    on_text(choice["text"])
+    ttft = (first or time.perf_counter()) - started
+    tbt = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return StreamedCompletion(text, ttft, tbt, tokens)
+
+
+def _printable(text: str) -> str:
+    # A random-weight model emits any byte: keep control characters off the terminal.
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)
+
+
+def demo(sup: Supervisor, url: str, api_key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as client, sup.held():
+        for prompt in DEMO_PROMPTS:
+            print(f"\n>>> {prompt}", flush=True)
+            result = stream_completion(client, prompt, 48, lambda t: print(_printable(t), end="", flush=True))
+            tbt = f"{result.tbt_s * 1000:.1f} ms" if result.tbt_s is not None else "n/a"
+            print(f"\n<<< {result.completion_tokens} tokens, TTFT {result.ttft_s * 1000:.1f} ms, TBT {tbt}", flush=True)
+
+
+def _raise_stopped(*_) -> None:
+    raise Stopped()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ferry up [--demo]`: Redis (if needed), the API, a worker and the webhook worker."""
+    parser = argparse.ArgumentParser(prog="ferry up", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--demo", action="store_true", help="stream a few completions once ready, then stop")
+    parser.add_argument("--host", help="API bind address (FERRY_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="API port (FERRY_PORT, default 8000)")
+    args = parser.parse_args(argv)
+    settings = UpSettings()
+    host, port = args.host or settings.host, args.port or settings.port
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    signal.signal(signal.SIGINT, _raise_stopped)
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    sup = Supervisor()
+    env = dict(os.environ, FERRY_REDIS_URL=settings.redis_url, PYTHONUNBUFFERED="1")
+    code = 0
+    try:
+        ensure_redis(sup, settings.redis_url)
+        env["FERRY_MODEL"] = ensure_model(sup, settings.model, env)
+        env["FERRY_WEBHOOK_SECRET"] = webhook_secret(settings)
+        sup.start("api", _ferry("api", "--host", host, "--port", str(port)), env)
+        sup.start("worker", _ferry("worker"), env)
+        sup.start("webhooks", _ferry("webhooks"), env)
+        _wait(lambda: _api_ready(url), settings.ready_timeout_s, "the stack", sup)
+        sup.say("up", f"ready: {url} (OpenAI base URL {url}/v1); Ctrl-C stops everything")
+        if args.demo:
+            demo(sup, url, settings.api_key)
+        else:
+            while (dead := sup.exited()) is None:
+                time.sleep(0.5)
+            sup.say("up", f"{dead.name} exited with {dead.popen.returncode}: stopping the stack")
+            code = 1
+    except Stopped:
+        sup.say("up", "stopping")
+    except (SystemExit, RuntimeError, httpx.HTTPError) as exc:
+        sup.say("up", f"error: {exc}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop_all()
+    return code

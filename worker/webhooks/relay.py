@@ -1,0 +1,148 @@
+"""Turns job events into webhook delivery tasks; runs inside `ferry webhooks`.
+
+The API registers every job that has a webhook in `{p}:webhooks:watch` (after enqueueing it).
+The relay follows the event streams of all watched jobs with one XREAD, remembers the last
+entry it handled per job in the watch hash (so a restart resumes where it stopped and a job
+that ran while the relay was down is still reported), and hands `job.started` and the terminal
+event to Celery once each (`{p}:webhooks:sent:…` NX guards against double hand-offs). A job
+leaves the watch set after its terminal event, or when its hash has expired.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+
+import redis
+
+from worker.protocol.jobs import TERMINAL_EVENT_TYPES, JobRecord, JobState, event_from_fields
+from worker.protocol.keys import Keys, parse_watch_value, watch_value
+from worker.webhooks.delivery import Attempt, Delivery, WebhookSettings, enqueue
+
+log = logging.getLogger("ferry.webhooks.relay")
+
+# Event type on the job stream -> webhook event name. A timeout is a failure to the receiver
+# (its `data.status` says `timed_out`).
+WEBHOOK_EVENT = {
+    "started": "job.started",
+    "completed": "job.completed",
+    "failed": "job.failed",
+    "timed_out": "job.failed",
+    "cancelled": "job.cancelled",
+}
+FORGET_AFTER_S = 60.0  # a watched job whose hash is still missing this long after registration is gone
+GC_INTERVAL_S = 30.0
+
+
+def job_payload(event_name: str, record: JobRecord, ts: float) -> dict:
+    """The webhook body: Standard Webhooks' `{type, timestamp, data}` with the job in `data`, as
+    it was at the event (the hash may be further along by the time `job.started` is relayed)."""
+    terminal = event_name != "job.started"
+    data: dict = {
+        "id": record.id,
+        "status": record.state.value if terminal else JobState.running.value,
+        "model": record.model,
+        "metadata": record.request.metadata if record.request else {},
+        "created_at": record.created_at,
+        "started_at": record.started_at,
+        "finished_at": record.finished_at if terminal else None,
+    }
+    if terminal:
+        data["output"] = (
+            {"text": record.text, "finish_reason": record.finish_reason, "stop_reason": record.stop_reason}
+            if record.state == JobState.succeeded
+            else None
+        )
+        data["usage"] = record.usage.model_dump() if record.usage else None
+        data["timings"] = record.timings.model_dump() if record.timings else None
+        data["error"] = {"code": record.error_code, "message": record.error_message} if record.error_code else None
+    timestamp = datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+    return {"type": event_name, "timestamp": timestamp, "data": data}
+
+
+class Relay:
+    """Follows watched jobs' event streams; `app` (the Celery app) is set before `run`."""
+
+    def __init__(self, settings: WebhookSettings, app=None, client: redis.Redis | None = None):
+        self.settings = settings
+        self.app = app
+        self.keys = Keys(settings.key_prefix)
+        self.redis = client or redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self._last_gc = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("relay following %s", self.keys.webhook_watch)
+        while not stop.is_set():
+            try:
+                if not self.step():
+                    stop.wait(0.2)
+            except redis.RedisError as exc:
+                log.warning("relay: redis error %s; retrying", exc)
+                stop.wait(1.0)
+
+    def step(self, block_ms: int = 500) -> bool:
+        """One XREAD over every watched job; False when nothing is watched."""
+        watched = {job: parse_watch_value(v) for job, v in self.redis.hgetall(self.keys.webhook_watch).items()}
+        if time.time() - self._last_gc > GC_INTERVAL_S:
+            self._forget_expired(watched)
+        if not watched:
+            return False
+        streams = {self.keys.events(job): last for job, (last, _) in watched.items()}
+        answer = self.redis.xread(streams, count=100, block=block_ms) or []
+        for stream, entries in answer:
+            job_id = stream.removeprefix(self.keys.prefix + ":job:").removesuffix(":events")
+            self._handle(job_id, entries, watched[job_id][1])
+        return True
+
+    def _handle(self, job_id: str, entries: list, registered_at: float) -> None:
+        """Relay a batch of one job's events, then move its mark (or drop it after the last)."""
+        for _, fields in entries:
+            event = event_from_fields(fields)
+            name = WEBHOOK_EVENT.get(event.type)
+            if name is not None:
+                self._hand_off(job_id, name, event.ts)
+            if event.type in TERMINAL_EVENT_TYPES:
+                self.redis.hdel(self.keys.webhook_watch, job_id)
+                return
+        self.redis.hset(self.keys.webhook_watch, job_id, watch_value(entries[-1][0], registered_at))
+
+    def _hand_off(self, job_id: str, name: str, ts: float) -> None:
+        # The worker writes a terminal event and the result into the hash in one script: the
+        # hash is complete by the time its terminal event can be read.
+        record = JobRecord.from_redis(self.redis.hgetall(self.keys.job(job_id)))
+        webhook = record.request.webhook if record and record.request else None
+        if webhook is None or name not in webhook.events:
+            return
+        sent = self.keys.webhook_sent(job_id, name)
+        if not self.redis.set(sent, "1", nx=True, ex=self.settings.result_ttl_s):
+            return
+        body = json.dumps(job_payload(name, record, ts), separators=(",", ":"))
+        # The id names the (job, event) pair, so it is the same on every retry and every relay.
+        enqueue(self.app, Delivery(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body))
+
+    def _forget_expired(self, watched: dict[str, tuple[str, float]]) -> None:
+        self._last_gc = time.time()
+        for job_id, (_, registered_at) in list(watched.items()):
+            if time.time() - registered_at > FORGET_AFTER_S and not self.redis.exists(self.keys.job(job_id)):
+                self.redis.hdel(self.keys.webhook_watch, job_id)
+                del watched[job_id]
+
+    def record(self, delivery: Delivery, attempt: Attempt, attempts: int) -> None:
+        """Store a settled delivery's outcome where GET /v1/jobs/{id} shows it."""
+        outcome = {
+            "webhook_id": delivery.webhook_id,
+            "url": delivery.url,
+            "outcome": "failed" if attempt.outcome == "retry" else attempt.outcome,
+            "status_code": attempt.status_code,
+            "attempts": attempts,
+            "detail": attempt.detail,
+            "at": time.time(),
+        }
+        key = self.keys.webhook_deliveries(delivery.job_id)
+        pipe = self.redis.pipeline()
+        pipe.hset(key, delivery.event, json.dumps(outcome))
+        pipe.expire(key, self.settings.result_ttl_s)
+        pipe.execute()
