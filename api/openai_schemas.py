@@ -7,46 +7,41 @@ value, and unknown fields are ignored, as vLLM does, so existing clients work un
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from api.streaming import SSE_EVENT_SCHEMA
 from worker.protocol import Message
+from worker.protocol.jobs import sampling_annotation, sampling_fields
+from worker.protocol.sampling import LIMITS
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(default=None, description="not supported: must be empty")
-    user: str | None = None
-    # vLLM extras
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+# The sampling fields with the engine's names and limits (worker.protocol.sampling); unset (None)
+# leaves the engine's default. `logprobs` is spelled per route below (an int for completions, a
+# bool plus `top_logprobs` for chat).
+_SamplingFields = create_model(
+    "_SamplingFields",
+    __config__=ConfigDict(extra="ignore"),
+    model=(str | None, None),
+    n=(int, Field(default=1, ge=1, le=1, description="only 1 is supported")),
+    stream=(bool, False),
+    stream_options=(StreamOptions | None, None),
+    logit_bias=(dict[str, float] | None, Field(default=None, description="not supported: must be empty")),
+    user=(str | None, None),
+    **sampling_fields(optional=True, exclude=("logprobs",)),
+)
+_LOGPROBS = sampling_annotation(LIMITS["logprobs"])
+_MAX_TOKENS = sampling_annotation(LIMITS["max_tokens"], nullable=True)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: _LOGPROBS = None  # type: ignore[valid-type]
     echo: bool = Field(default=False, description="not supported: must be false")
     suffix: str | None = Field(default=None, description="not supported")
     best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
@@ -54,9 +49,9 @@ class CompletionRequest(_SamplingFields):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: _MAX_TOKENS = None  # type: ignore[valid-type]
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: _LOGPROBS = None  # type: ignore[valid-type]
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
+from worker.protocol.jobs import sampling_annotation
+from worker.protocol.sampling import LIMITS
 
 # JobRequest fields the API sets itself or takes from the job envelope rather than from `input`.
 _NOT_INPUT = {"model", "tenant", "created_at", "priority", "ttl_s", "timeout_s", "metadata", "webhook", "cache_salt"}
@@ -18,7 +20,8 @@ JobInput = create_model(
     __config__=ConfigDict(extra="forbid"),
     __doc__="A completion (`prompt`) or chat (`messages`) request, OpenAI field names.",
     model=(str | None, Field(default=None, description="may be omitted while exactly one model is served")),
-    max_completion_tokens=(int | None, Field(default=None, ge=1, description="chat name of max_tokens")),
+    max_completion_tokens=(sampling_annotation(LIMITS["max_tokens"], nullable=True),
+                           Field(default=None, description="chat name of max_tokens")),
     **{name: (field.annotation, field) for name, field in JobRequest.model_fields.items() if name not in _NOT_INPUT},
 )
 

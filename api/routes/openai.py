@@ -43,16 +43,14 @@ from worker.protocol import (
     Usage,
     cancel_job_async,
 )
+from worker.protocol.sampling import SAMPLING_LIMITS
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
 
-_SAMPLING = (
-    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-)
+_SAMPLING = tuple(limit.name for limit in SAMPLING_LIMITS if limit.name != "logprobs")  # logprobs: per route
 _INPUT_ERRORS = {
     ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG
 }

@@ -11,13 +11,14 @@ import pytest
 import redis
 import redis.asyncio
 
-from worker.protocol.jobs import (
+from worker.protocol import (
     CompletedEvent,
     Envelope,
     FailedEvent,
     JobRecord,
     JobRequest,
     JobState,
+    Keys,
     StartedEvent,
     Timings,
     TokenEvent,
@@ -36,7 +37,6 @@ from worker.protocol.jobs import (
     event_to_fields,
     seq_of_stream_id,
 )
-from worker.protocol.keys import Keys
 
 pytestmark = pytest.mark.redis
 

@@ -1,60 +1,69 @@
-"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names)."""
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names).
+
+Defaults and allowed values come from the one table of sampling fields
+(`worker.protocol.sampling`), which the API's request schemas read too.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS
+
+
+def _default(name: str):
+    return LIMITS[name].default
+
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16  # tokens to generate at most
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = 0  # keep the k most likely tokens; 0 (or -1) = all
-    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
-    repetition_penalty: float = 1.0  # >1 discourages tokens seen in the prompt or output
-    presence_penalty: float = 0.0  # subtracted once from tokens present in the output
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    seed: int | None = None  # per-request RNG: same seed, same tokens, whatever the batch
-    stop: list[str] | str | None = None  # strings that end generation; never part of the text
-    stop_token_ids: list[int] | None = None  # token ids that end generation (kept in token_ids)
-    ignore_eos: bool = False  # keep generating past the model's EOS token
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
-    logprobs: int | None = None  # return the top-n logprobs (plus the sampled token's) per token
+    max_tokens: int = _default("max_tokens")  # tokens to generate at most
+    temperature: float = _default("temperature")  # 0 = greedy
+    top_p: float = _default("top_p")  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = _default("top_k")  # keep the k most likely tokens; 0 (or -1) = all
+    min_p: float = _default("min_p")  # drop tokens less likely than min_p x the most likely one
+    repetition_penalty: float = _default("repetition_penalty")  # >1 discourages tokens seen in the prompt or output
+    presence_penalty: float = _default("presence_penalty")  # subtracted once from tokens present in the output
+    frequency_penalty: float = _default("frequency_penalty")  # subtracted per occurrence in the output
+    seed: int | None = _default("seed")  # per-request RNG: same seed, same tokens, whatever the batch
+    stop: list[str] | str | None = _default("stop")  # strings that end generation; never part of the text
+    stop_token_ids: list[int] | None = _default("stop_token_ids")  # token ids that end generation (kept in token_ids)
+    ignore_eos: bool = _default("ignore_eos")  # keep generating past the model's EOS token
+    min_tokens: int = _default("min_tokens")  # EOS and stop_token_ids are masked until this many tokens exist
+    logprobs: int | None = _default("logprobs")  # return the top-n logprobs (plus the sampled token's) per token
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
         self.stop_strings = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the value and what is allowed."""
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
-            (self.temperature >= 0.0, "temperature", ">= 0 (0 means greedy)"),
-            (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 = no limit)"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "> 0"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
-            (self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "None or an integer in [0, 20]"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "None or an integer"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids"),
-            (all(isinstance(s, str) for s in (self.stop or [])), "stop", "a string or a list of strings"),
-        ]
-        for ok, name, allowed in checks:
-            if not ok:
-                raise ValueError(f"invalid {name}={getattr(self, name)!r}: must be {allowed}")
+        for limit in SAMPLING_LIMITS:
+            value = getattr(self, limit.name)
+            problem = limit.check(value)
+            if problem is not None:
+                raise ValueError(f"invalid {limit.name}={_short(value)}: {problem}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"invalid cache_salt={_short(self.cache_salt)}: must be a string or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

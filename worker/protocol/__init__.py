@@ -1,1 +1,107 @@
-"""The wire contract between the API and the workers (no torch: `api` imports only this package)."""
+"""The wire contract between the API and the workers: jobs, their events, Redis key names and scripts.
+
+`api` imports only this package from `worker`, and importing it never imports torch (the API is
+a torch-free process; a test checks both).
+
+- `jobs`: the job request, its record in Redis, the queue envelope, states, error codes;
+- `events`: what a job streams, in order, and how it is stored and published;
+- `sampling`: every sampling field and the values it allows (also read by the engine);
+- `keys`: every Redis key and channel name; `lua`: every script;
+- `queue`: the atomic writes of a queue client (enqueue, cancel).
+"""
+
+from worker.protocol.events import (
+    STATE_AFTER_EVENT,
+    TERMINAL_EVENT_TYPES,
+    CancelledEvent,
+    CompletedEvent,
+    Event,
+    FailedEvent,
+    StartedEvent,
+    TimedOutEvent,
+    TokenEvent,
+    decode_event,
+    encode_event,
+    event_from_fields,
+    event_json_tail,
+    event_stream_id,
+    event_to_fields,
+    seq_of_stream_id,
+)
+from worker.protocol.jobs import (
+    ENGINE_PRIORITY,
+    PROTOCOL_VERSION,
+    TERMINAL_STATES,
+    WEBHOOK_EVENT_FOR,
+    WEBHOOK_EVENTS,
+    Envelope,
+    ErrorCode,
+    JobRecord,
+    JobRequest,
+    JobState,
+    Message,
+    Priority,
+    TextPart,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    Webhook,
+    new_job_id,
+)
+from worker.protocol.keys import GROUP, PRIORITIES, Keys
+from worker.protocol.queue import (
+    EnqueueResult,
+    cancel_job,
+    cancel_job_async,
+    enqueue_job,
+    enqueue_job_async,
+    enqueue_jobs,
+)
+
+__all__ = [
+    "ENGINE_PRIORITY",
+    "GROUP",
+    "PRIORITIES",
+    "PROTOCOL_VERSION",
+    "STATE_AFTER_EVENT",
+    "TERMINAL_EVENT_TYPES",
+    "TERMINAL_STATES",
+    "WEBHOOK_EVENTS",
+    "WEBHOOK_EVENT_FOR",
+    "CancelledEvent",
+    "CompletedEvent",
+    "EnqueueResult",
+    "Envelope",
+    "ErrorCode",
+    "Event",
+    "FailedEvent",
+    "JobRecord",
+    "JobRequest",
+    "JobState",
+    "Keys",
+    "Message",
+    "Priority",
+    "StartedEvent",
+    "TextPart",
+    "TimedOutEvent",
+    "Timings",
+    "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "Webhook",
+    "cancel_job",
+    "cancel_job_async",
+    "decode_event",
+    "encode_event",
+    "enqueue_job",
+    "enqueue_job_async",
+    "enqueue_jobs",
+    "event_from_fields",
+    "event_json_tail",
+    "event_stream_id",
+    "event_to_fields",
+    "new_job_id",
+    "seq_of_stream_id",
+]

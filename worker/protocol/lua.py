@@ -1,9 +1,13 @@
-"""Lua scripts in pipelines without redis-py's extra round trip.
+"""Every Lua script Ferry runs in Redis, and how pipelines run them without an extra round trip.
 
-redis-py checks `SCRIPT EXISTS` before every pipeline that holds a script: one more round trip
-per engine step. Here a pipeline sends EVALSHA directly; when Redis does not know a script
-(first use, restart, SCRIPT FLUSH) nothing of that script ran, so the scripts are loaded and the
-whole pipeline is built and sent once more.
+A script's state names and queue-entry fields come in as arguments (the job states of
+`worker.protocol.jobs`, the envelope of `Envelope.to_fields`), so the Python enums stay the one
+place they are spelled. Keys are passed as KEYS; each script's header says what it takes.
+
+Pipelines: redis-py checks `SCRIPT EXISTS` before every pipeline that holds a script, one more
+round trip per engine step. `add` queues a bare EVALSHA instead; when Redis does not know a
+script (first use, restart, SCRIPT FLUSH) nothing of that script ran, so `execute` loads the
+scripts and builds and sends the whole pipeline once more.
 """
 
 from __future__ import annotations
@@ -12,6 +16,159 @@ from collections.abc import Callable
 
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+
+# Reads the space-separated terminal states in ARGV[1] into a set: `terminal[state]` is true.
+_TERMINAL = """
+local terminal = {}
+for s in string.gmatch(ARGV[1], '%S+') do terminal[s] = true end
+"""
+
+# Enqueue one job (the API). KEYS: job hash, queue stream[, idempotency key].
+# ARGV: job id, idempotency ttl, number of envelope fields n, n field/value pairs, then the job
+# hash's field/value pairs. Returns {1, job id}, or {0, existing job id} when the key was taken.
+ENQUEUE = """
+if #KEYS == 3 then
+  local existing = redis.call('GET', KEYS[3])
+  if existing then return {0, existing} end
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2])
+end
+local n = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4 + 2 * n))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4, 3 + 2 * n))
+return {1, ARGV[1]}
+"""
+
+# Request cancellation (the API). KEYS: job hash, events stream.
+# ARGV: terminal states, cancelled state, result ttl, now, cancel channel, job channel, job id,
+# the cancelled event's JSON after its leading `{"seq":N` (seq is decided here, atomically).
+# A queued job is cancelled at once; every call also wakes the worker running the job.
+CANCEL = _TERMINAL + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return false end
+if terminal[state] then return state end
+redis.call('HSET', KEYS[1], 'cancel', '1')
+if state == 'queued' then
+  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+  local seq = 0
+  if #last > 0 then seq = tonumber(string.match(last[1][1], '^(%d+)')) + 1 end
+  local data = '{"seq":' .. seq .. ARGV[8]
+  redis.call('XADD', KEYS[2], seq .. '-1', 'seq', tostring(seq), 'type', 'cancelled', 'data', data)
+  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_at', ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  redis.call('PUBLISH', ARGV[6], data)
+  state = ARGV[2]
+end
+redis.call('PUBLISH', ARGV[5], ARGV[7])
+return state
+"""
+
+# Start a job on a worker. KEYS: job hash, events stream.
+# ARGV: terminal states, running state, worker id, now, job channel, the started event's JSON
+# after its leading `{"seq":0`. Returns the job's attempts so far (this one included), or 0 when
+# it is settled or cancelled (then it must not start).
+START = _TERMINAL + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state or terminal[state] or redis.call('HGET', KEYS[1], 'cancel') == '1' then return 0 end
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'worker_id', ARGV[3])
+redis.call('HSETNX', KEYS[1], 'started_at', ARGV[4])
+if redis.call('XLEN', KEYS[2]) == 0 then
+  local data = '{"seq":0' .. ARGV[6]
+  redis.call('XADD', KEYS[2], '0-1', 'seq', '0', 'type', 'started', 'data', data)
+  redis.call('PUBLISH', ARGV[5], data)
+end
+return attempts
+"""
+
+# Renew the leases of a worker's running entries. KEYS: one queue stream per entry.
+# ARGV: group, consumer, then the entry ids (aligned with KEYS). Returns the ids no longer ours.
+RENEW = """
+local lost = {}
+for k = 1, #KEYS do
+  local id = ARGV[k + 2]
+  local p = redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1)
+  if #p == 0 or p[1][2] ~= ARGV[2] then
+    table.insert(lost, id)
+  else
+    redis.call('XCLAIM', KEYS[k], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+  end
+end
+return lost
+"""
+
+# Take new entries by strict priority in one round trip. KEYS: the queue streams, highest
+# priority first; ARGV: group, consumer, most entries to take. XREADGROUP each stream in turn
+# until the count is met. A stream without the group (Redis restarted empty, a stream deleted) is
+# skipped, not an error: what the others gave is already pending here and must come back.
+# Returns {{stream, {{id, {field, value, ...}}, ...}} per stream read, {streams without the group}}.
+READ = """
+local out, missing = {}, {}
+local left = tonumber(ARGV[3])
+for i = 1, #KEYS do
+  if left <= 0 then break end
+  local answer = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
+  if type(answer) == 'table' and answer.err then
+    if not string.find(answer.err, 'NOGROUP') then return redis.error_reply(answer.err) end
+    table.insert(missing, KEYS[i])
+  elseif answer then
+    local entries = answer[1][2]
+    left = left - #entries
+    table.insert(out, {KEYS[i], entries})
+  end
+end
+return {out, missing}
+"""
+
+# Append a job's events, publish them, and when the job ends write its result and settle its
+# queue entry (the worker's publisher). KEYS[1] events stream, KEYS[2] job hash (also the name
+# of the job's pub/sub channel)[, KEYS[3] queue stream: the job ends with this write].
+# ARGV[1] first_token_at or '', ARGV[2] number of events n, n x (seq, type, data), then, when the
+# job ends: result ttl, group, entry id, job hash field/value pairs...
+# Seq fencing: a seq already in the stream with other bytes is another worker's event (the job
+# was reclaimed): return 0 and write nothing more. The same bytes are our own retried write.
+EMIT = """
+local n = tonumber(ARGV[2])
+local i = 3
+for _ = 1, n do
+  local seq, kind, data = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local added = redis.pcall('XADD', KEYS[1], seq .. '-1', 'seq', seq, 'type', kind, 'data', data)
+  if type(added) == 'table' and added.err then
+    local have = redis.call('XRANGE', KEYS[1], seq .. '-1', seq .. '-1')
+    if #have == 0 or have[1][2][6] ~= data then return 0 end
+  else
+    redis.call('PUBLISH', KEYS[2], data)
+  end
+  i = i + 3
+end
+if ARGV[1] ~= '' then redis.call('HSETNX', KEYS[2], 'first_token_at', ARGV[1]) end
+if #KEYS == 3 then
+  if #ARGV > i + 2 then redis.call('HSET', KEYS[2], unpack(ARGV, i + 3)) end
+  redis.call('EXPIRE', KEYS[1], ARGV[i])
+  redis.call('EXPIRE', KEYS[2], ARGV[i])
+  redis.call('XACK', KEYS[3], ARGV[i + 1], ARGV[i + 2])
+  redis.call('XDEL', KEYS[3], ARGV[i + 2])
+end
+return 1
+"""
+
+# Hand a job back to the queue so any worker takes it now, not after the lease runs out.
+# KEYS[1] queue stream holding the entry, KEYS[2] stream to re-add it to, KEYS[3] job hash.
+# ARGV: terminal states, queued state, group, entry id, this worker's consumer name, attempts to
+# record ('' for a job that never started here: its hash is left alone), number of envelope
+# fields n, n field/value pairs of the new envelope. Returns 0 when the entry is no longer ours.
+HAND_BACK = _TERMINAL + """
+local p = redis.call('XPENDING', KEYS[1], ARGV[3], ARGV[4], ARGV[4], 1)
+if #p == 0 or p[1][2] ~= ARGV[5] then return 0 end
+redis.call('XACK', KEYS[1], ARGV[3], ARGV[4])
+redis.call('XDEL', KEYS[1], ARGV[4])
+local state = redis.call('HGET', KEYS[3], 'state')
+if state and not terminal[state] then
+  if ARGV[6] ~= '' then redis.call('HSET', KEYS[3], 'state', ARGV[2], 'attempts', ARGV[6]) end
+  redis.call('XADD', KEYS[2], '*', unpack(ARGV, 8, 7 + 2 * tonumber(ARGV[7])))
+end
+return 1
+"""
 
 
 def add(pipe, script: Script, keys: list[str], args: list) -> None:
@@ -26,4 +183,12 @@ def execute(build: Callable[[], object], scripts: list[Script]) -> list:
         for script in scripts:
             script.sha = script.registered_client.script_load(script.script)
         results = build().execute(raise_on_error=False)
+    return results
+
+
+def raise_errors(results: list) -> list:
+    """`results` of `execute`, raising the first error among them."""
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
     return results

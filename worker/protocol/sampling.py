@@ -1,0 +1,120 @@
+"""The sampling fields a request may carry and the values each allows: declared once, here.
+
+Three schemas read this table: the engine's `SamplingParams` (which checks values in
+`validate`), the job request of the wire (`JobRequest`, pydantic) and the OpenAI-compatible
+request bodies of the API. A test walks the table against each of them, so a limit changed
+here changes everywhere, and a field added to one schema but not to the table fails the suite.
+
+This module imports nothing but the standard library: the engine, the API and the wire all use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOKENS_LIMIT = 1 << 20  # far beyond any context window; keeps every count a small integer
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+TOKEN_ID_MAX = 2**31 - 1  # a token id or count the API accepts before it knows the model's vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One sampling field: its type, default and allowed range (None: no bound on that side)."""
+
+    name: str
+    kind: type  # int | float | bool | str ("str" fields are the stop strings); lists are `items` of this kind
+    default: object
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    nullable: bool = False  # None is a valid value (e.g. seed: no seed)
+    items: bool = False  # a list of `kind` values (each within the bounds), at most `max_items` long
+    max_items: int | None = None
+    doc: str = ""
+
+    def check(self, value: object) -> str | None:
+        """Why `value` is not allowed (a phrase naming what is), or None when it is."""
+        if value is None:
+            return None if self.nullable else f"must be {self.allowed()}"
+        if self.items:
+            if not isinstance(value, list | tuple):
+                return f"must be a list of {self._range('values')}"
+            if self.max_items is not None and len(value) > self.max_items:
+                return f"must hold at most {self.max_items} values"
+            bad = next((v for v in value if self._scalar_problem(v)), None)
+            return None if bad is None else f"must be a list of {self._range('values')} ({bad!r} is not)"
+        return f"must be {self.allowed()}" if self._scalar_problem(value) else None
+
+    def _scalar_problem(self, value: object) -> bool:
+        if self.kind is bool:
+            return not isinstance(value, bool)
+        if self.kind is str:
+            return not isinstance(value, str)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return True
+        if self.kind is int and not isinstance(value, int):
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return True
+        return not (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def allowed(self) -> str:
+        """The allowed values in words, for error messages."""
+        text = self._range("a boolean" if self.kind is bool else "a string" if self.kind is str else None)
+        if self.items:
+            text = f"a list of {self._range('values')}"
+        return f"{text} or null" if self.nullable else text
+
+    def _range(self, noun: str | None) -> str:
+        if noun is not None and self.kind in (bool, str):
+            return noun if not self.items else ("strings" if self.kind is str else "booleans")
+        kind = "integer" if self.kind is int else "finite number"
+        parts = []
+        if self.ge is not None:
+            parts.append(f">= {_num(self.ge)}")
+        if self.gt is not None:
+            parts.append(f"> {_num(self.gt)}")
+        if self.le is not None:
+            parts.append(f"<= {_num(self.le)}")
+        if self.lt is not None:
+            parts.append(f"< {_num(self.lt)}")
+        noun = f"{kind}s" if self.items else f"an {kind}" if kind == "integer" else f"a {kind}"
+        return f"{noun} {' and '.join(parts)}" if parts else noun
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# Every sampling field, in vLLM's names. Defaults are the engine's; the API leaves a field unset
+# (None) where the client did not send it and the engine default applies.
+SAMPLING_LIMITS: tuple[Limit, ...] = (
+    Limit("max_tokens", int, 16, ge=1, le=MAX_TOKENS_LIMIT, doc="tokens to generate at most"),
+    Limit("temperature", float, 1.0, ge=0.0, le=100.0, doc="0 = greedy"),
+    Limit("top_p", float, 1.0, gt=0.0, le=1.0, doc="nucleus: the smallest set of tokens whose probability reaches top_p"),
+    Limit("top_k", int, 0, ge=-1, le=TOKEN_ID_MAX, doc="the k most likely tokens; 0 or -1 = all"),
+    Limit("min_p", float, 0.0, ge=0.0, le=1.0, doc="drop tokens less likely than min_p x the most likely one"),
+    Limit("repetition_penalty", float, 1.0, gt=0.0, le=100.0, doc="> 1 discourages tokens of the prompt and output"),
+    Limit("presence_penalty", float, 0.0, ge=-2.0, le=2.0, doc="subtracted once from tokens present in the output"),
+    Limit("frequency_penalty", float, 0.0, ge=-2.0, le=2.0, doc="subtracted per occurrence in the output"),
+    Limit("seed", int, None, ge=INT64_MIN, le=INT64_MAX, nullable=True, doc="same seed, same tokens"),
+    Limit("stop", str, None, nullable=True, items=True, max_items=MAX_STOP_STRINGS,
+          doc="strings that end generation (a single string is a list of one)"),
+    Limit("stop_token_ids", int, None, ge=0, le=TOKEN_ID_MAX, nullable=True, items=True,
+          max_items=MAX_STOP_TOKEN_IDS, doc="token ids that end generation"),
+    Limit("ignore_eos", bool, False, doc="keep generating past the model's EOS token"),
+    Limit("min_tokens", int, 0, ge=0, le=MAX_TOKENS_LIMIT, doc="EOS and stop_token_ids are masked until this many"),
+    Limit("logprobs", int, None, ge=0, le=MAX_LOGPROBS, nullable=True,
+          doc="the top-n logprobs (plus the sampled token's) per token"),
+)
+LIMITS = {limit.name: limit for limit in SAMPLING_LIMITS}
