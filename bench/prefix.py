@@ -162,25 +162,28 @@ def shared_prefix(model: str, system: list[int], users: list[list[int]], engine_
 
 def cold_start(model: str, system: list[int], users: list[list[int]], engine_kwargs: dict) -> dict:
     from worker.engine import Engine
+    from worker.snapshots import restore_snapshot, save_snapshot
 
     kv_bytes = _kv_bytes_for(model, 4 * (len(system) + len(users[0])), engine_kwargs["dtype"])
     with tempfile.TemporaryDirectory(prefix="ferry-bench-snapshot-") as tmp:
         url = Path(tmp).as_uri()
         warm = Engine(model, kv_cache_bytes=kv_bytes, **engine_kwargs)
         _ttfts(warm, [system])  # the system prompt alone: what a pre-warm (`ferry snapshot save --system`) stores
-        saved = warm.save_snapshot(url)
+        saved = save_snapshot(warm, url)
         del warm
-        engines, start_s = {}, {}
+        engines, start_s, restore_s = {}, {}, {}
         for name, snapshot_url in (("restored", url), ("cold", None)):
             started = time.perf_counter()
-            engines[name] = Engine(model, kv_cache_bytes=kv_bytes, snapshot_url=snapshot_url, **engine_kwargs)
+            engines[name] = Engine(model, kv_cache_bytes=kv_bytes, **engine_kwargs)
+            restored = restore_snapshot(engines[name], snapshot_url) if snapshot_url else None
             start_s[name] = time.perf_counter() - started
+            restore_s[name] = restored.seconds if restored else 0.0
     rows = _interleaved(engines, [system + u for u in users])
     result = {"snapshot": {"blocks": saved.blocks, "tokens": saved.tokens, "bytes": saved.bytes, "save_s": saved.seconds}}
     for name, runs in rows.items():
         result[name] = {
             "engine_start_s": start_s[name],
-            "restore_s": engines[name].snapshot_stats.last_restore_seconds,
+            "restore_s": restore_s[name],
             "ttft_s": [r["ttft_s"] for r in runs],
             "cached_tokens": [r["cached_tokens"] for r in runs],
             "first_ttft_s": runs[0]["ttft_s"],
@@ -192,7 +195,7 @@ def cold_start(model: str, system: list[int], users: list[list[int]], engine_kwa
 
 def restore_vs_recompute(model: str, vocab: int, gib: float, dtype: str, rng: random.Random) -> dict:
     from worker.engine import Engine, SamplingParams
-    from worker.snapshot import load_snapshot
+    from worker.snapshots import load_snapshot, save_snapshot
 
     max_positions = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
     chunk = min(2048, max_positions - 16)  # tokens per prompt that fills the cache
@@ -210,7 +213,7 @@ def restore_vs_recompute(model: str, vocab: int, gib: float, dtype: str, rng: ra
     recompute_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory(prefix="ferry-bench-snapshot-") as tmp:
         url = Path(tmp).as_uri()
-        saved = engine.save_snapshot(url)
+        saved = save_snapshot(engine, url)
         del engine
         fresh = Engine(model, **kwargs)
         restored = load_snapshot(fresh, url)

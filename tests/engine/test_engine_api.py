@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine import LLM, Engine, SamplingParams
+from worker.engine import LLM, Engine, Resume, SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.models.config import UnsupportedModelError
 from worker.models.loader import ModelNotFoundError
@@ -81,15 +81,15 @@ def test_seeded_sampling_reproduces_in_any_batch(llm):
     ids=["seeded-penalties", "greedy-frequency", "seeded-min-tokens"],
 )
 def test_resumed_request_continues_as_the_uninterrupted_run(llm, params):
-    """A job picked up after its worker died: prompt + the tokens generated so far go in as
-    output_token_ids, and the rest comes out as if nothing had happened (seed, penalties,
-    max_tokens and min_tokens all count the earlier tokens)."""
+    """A job picked up after its worker died: prompt + the tokens generated so far go in as a
+    Resume, and the rest comes out as if nothing had happened (seed, penalties, max_tokens and
+    min_tokens all count the earlier tokens)."""
     prompt = [11, 12, 13, 14, 15]
     full = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
     assert len(full) >= 12
     for cut in (1, 8, 12):
         engine = llm.engine
-        engine.add_request(f"resume-{cut}", prompt, params, output_token_ids=full[:cut])
+        engine.add_request(f"resume-{cut}", prompt, params, resume=Resume(full[:cut]))
         rest = []
         while engine.has_unfinished_requests():
             rest += [t for o in engine.step() for t in o.new_token_ids]
@@ -100,9 +100,9 @@ def test_resumed_request_continues_as_the_uninterrupted_run(llm, params):
 def test_resumed_tokens_are_validated(llm):
     engine = llm.engine
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.add_request("r1", [1, 2], SamplingParams(max_tokens=3), output_token_ids=[4, 5, 6])
-    with pytest.raises(ValueError, match="output_token_ids"):
-        engine.add_request("r2", [1, 2], SamplingParams(max_tokens=3), output_token_ids=[-1])
+        engine.add_request("r1", [1, 2], SamplingParams(max_tokens=3), resume=Resume([4, 5, 6]))
+    with pytest.raises(ValueError, match="resumed token ids"):
+        engine.add_request("r2", [1, 2], SamplingParams(max_tokens=3), resume=Resume([-1]))
     assert not engine.has_unfinished_requests()
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from tests.snapshots.util import BLOCK_BYTES, BS, free_port
 from worker.engine import Engine
+from worker.snapshots import SnapshotStats, restore_snapshot
 
 
 @pytest.fixture
@@ -17,6 +18,19 @@ def make_engine(llama_dir):
         kwargs.setdefault("max_model_len", 128)
         block_bytes = BLOCK_BYTES * kwargs["block_size"] // BS
         return Engine(model_dir or llama_dir, kv_cache_bytes=num_blocks * block_bytes, **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def restored_engine(make_engine):
+    """A fresh engine with the snapshot at `url` restored as a worker does at start: (engine, stats)."""
+
+    def make(url, **kwargs) -> tuple[Engine, SnapshotStats]:
+        engine = make_engine(**kwargs)
+        stats = SnapshotStats()
+        restore_snapshot(engine, url, stats)
+        return engine, stats
 
     return make
 

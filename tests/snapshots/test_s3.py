@@ -9,7 +9,7 @@ import boto3
 import pytest
 
 from tests.snapshots.util import generate
-from worker.snapshots.snapshot import POINTER, list_snapshots, save_snapshot
+from worker.snapshots import POINTER, list_snapshots, save_snapshot
 from worker.snapshots.store import S3Store, open_store
 
 pytestmark = pytest.mark.s3
@@ -17,19 +17,19 @@ pytestmark = pytest.mark.s3
 PROMPT = list(range(7, 47))
 
 
-def test_round_trip_through_s3(make_engine, s3_bucket):
+def test_round_trip_through_s3(make_engine, restored_engine, s3_bucket):
     url = f"s3://{s3_bucket}/models/tiny"
     engine = make_engine()
     tokens, _ = generate(engine, PROMPT)
-    info = engine.save_snapshot(url)
+    info = save_snapshot(engine, url)
     assert info.url == url and info.blocks == 11
 
     client = boto3.client("s3", endpoint_url=os.environ["FERRY_S3_ENDPOINT_URL"])
     pointer = json.loads(client.get_object(Bucket=s3_bucket, Key=f"models/tiny/{POINTER}")["Body"].read())
     assert pointer["snapshot"] == info.key
 
-    restored = make_engine(snapshot_url=url)
-    assert restored.snapshot_stats.restores == {"ok": 1}
+    restored, restored_stats = restored_engine(url)
+    assert restored_stats.restores == {"ok": 1}
     again, cached = generate(restored, PROMPT)
     assert cached == 36 and again == tokens
 
@@ -38,7 +38,7 @@ def test_keep_and_prune_on_s3(make_engine, s3_bucket):
     url = f"s3://{s3_bucket}/p"
     engine = make_engine()
     generate(engine, PROMPT)
-    keys = [engine.save_snapshot(url).key for _ in range(3)]  # snapshot_keep defaults to 3
+    keys = [save_snapshot(engine, url).key for _ in range(3)]  # keep defaults to 3
     keys.append(save_snapshot(engine, url, keep=1).key)
     assert list(list_snapshots(open_store(url))) == keys[-1:]
 
@@ -58,19 +58,19 @@ def test_large_files_go_multipart(s3_bucket, tmp_path):
     assert dst.read_bytes() == data
 
 
-def test_missing_and_corrupt_on_s3_start_cold(make_engine, s3_bucket):
+def test_missing_and_corrupt_on_s3_start_cold(make_engine, restored_engine, s3_bucket):
     url = f"s3://{s3_bucket}/m"
-    assert make_engine(snapshot_url=url).snapshot_stats.restores == {"missing": 1}
+    assert restored_engine(url)[1].restores == {"missing": 1}
     engine = make_engine()
     generate(engine, PROMPT)
-    info = engine.save_snapshot(url)
+    info = save_snapshot(engine, url)
     client = boto3.client("s3", endpoint_url=os.environ["FERRY_S3_ENDPOINT_URL"])
     client.put_object(Bucket=s3_bucket, Key=f"m/{info.key}/shard-00000.safetensors", Body=b"not a shard")
-    restored = make_engine(snapshot_url=url)
-    assert restored.snapshot_stats.restores == {"corrupt": 1}
+    restored, restored_stats = restored_engine(url)
+    assert restored_stats.restores == {"corrupt": 1}
     assert restored.kv_usage().num_cached_free_blocks == 0
 
 
-def test_missing_bucket_starts_cold(make_engine, s3_bucket):
-    engine = make_engine(snapshot_url=f"s3://{s3_bucket}-absent/x")
-    assert engine.snapshot_stats.restores == {"unreachable": 1}
+def test_missing_bucket_starts_cold(make_engine, restored_engine, s3_bucket):
+    engine, engine_stats = restored_engine(f"s3://{s3_bucket}-absent/x")
+    assert engine_stats.restores == {"unreachable": 1}

@@ -11,12 +11,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.snapshots.util import BS, free_port, generate
 from worker.engine.kv_cache import ROOT_KEY, CachedBlock
-from worker.snapshots.snapshot import (
+from worker.snapshots import (
     POINTER,
     SnapshotCollector,
     SnapshotError,
+    SnapshotStats,
     list_snapshots,
     read_manifest,
+    restore_snapshot,
     save_snapshot,
     select_blocks,
 )
@@ -38,19 +40,19 @@ def warm_engine(make_engine, *prompts, **kwargs):
 
 
 def cold_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "worker.snapshots.snapshot" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "worker.snapshots.restore" and r.levelno == logging.WARNING]
 
 
-def test_round_trip_restores_blocks_kv_and_outputs(make_engine, url):
+def test_round_trip_restores_blocks_kv_and_outputs(make_engine, restored_engine, url):
     engine, [(tokens, cached)] = warm_engine(make_engine)
     assert cached == 0
-    info = engine.save_snapshot(url)
+    info = save_snapshot(engine, url)
     # 40 prompt + 6 generated tokens, the last one never computed: 45 tokens of KV = 11 full blocks.
     assert (info.blocks, info.tokens) == (11, 44)
     assert info.bytes > 11 * 2048 and info.key.startswith("snapshots/")
 
-    restored = make_engine(snapshot_url=url)
-    assert restored.snapshot_stats.restores == {"ok": 1}
+    restored, restored_stats = restored_engine(url)
+    assert restored_stats.restores == {"ok": 1}
     assert restored.kv_usage().num_cached_free_blocks == 11
     assert restored.kv_usage().num_used_blocks == 0
     # Same keys, same KV, bit for bit.
@@ -63,31 +65,32 @@ def test_round_trip_restores_blocks_kv_and_outputs(make_engine, url):
     assert again == tokens
 
 
-def test_restore_through_llm_and_save_defaults_to_configured_url(llama_dir, url):
+def test_round_trip_through_llm(llama_dir, url):
     from worker.engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    kwargs = dict(block_size=BS, kv_cache_bytes=64 * 2048, max_model_len=128, snapshot_url=url)
-    first = LLM(llama_dir, **kwargs)  # nothing there yet: cold, one warning
-    assert first.engine.snapshot_stats.restores == {"missing": 1}
+    kwargs = dict(block_size=BS, kv_cache_bytes=64 * 2048, max_model_len=128)
+    first = LLM(llama_dir, **kwargs)
     [cold] = first.generate([PROMPT], params, use_tqdm=False)
-    info = first.save_snapshot()
+    info = save_snapshot(first.engine, url)
     assert info.url == url and info.blocks == 10
 
-    [warm] = LLM(llama_dir, **kwargs).generate([PROMPT], params, use_tqdm=False)
+    second = LLM(llama_dir, **kwargs)
+    assert restore_snapshot(second.engine, url).blocks == 10
+    [warm] = second.generate([PROMPT], params, use_tqdm=False)
     assert warm.num_cached_tokens == 36 and warm.token_ids == cold.token_ids
 
 
-def test_empty_or_unchanged_cache_writes_nothing(make_engine, url):
-    engine = make_engine()
-    assert engine.save_snapshot(url) is None  # an idle worker never replaces a useful snapshot
+def test_empty_or_unchanged_cache_writes_nothing(make_engine, restored_engine, url):
+    engine, stats = make_engine(), SnapshotStats()
+    assert save_snapshot(engine, url, stats=stats) is None  # an idle worker never replaces a useful snapshot
     generate(engine, PROMPT)
-    assert engine.save_snapshot(url, only_if_changed=True) is not None
-    assert engine.save_snapshot(url, only_if_changed=True) is None
-    restored = make_engine(snapshot_url=url)
-    assert restored.save_snapshot(url, only_if_changed=True) is None  # exactly what it restored
+    assert save_snapshot(engine, url, only_if_changed=True, stats=stats) is not None
+    assert save_snapshot(engine, url, only_if_changed=True, stats=stats) is None
+    restored, restored_stats = restored_engine(url)
+    assert save_snapshot(restored, url, only_if_changed=True, stats=restored_stats) is None  # exactly what it restored
     generate(restored, OTHER)
-    assert restored.save_snapshot(url, only_if_changed=True).blocks == 11 + 8
+    assert save_snapshot(restored, url, only_if_changed=True, stats=restored_stats).blocks == 11 + 8
 
 
 def test_keeps_the_last_n_snapshots(make_engine, tmp_path):
@@ -98,7 +101,7 @@ def test_keeps_the_last_n_snapshots(make_engine, tmp_path):
     assert json.loads(store.read_bytes(POINTER))["snapshot"] == keys[-1]
 
 
-def test_multiple_shards_and_byte_budget(make_engine, url):
+def test_multiple_shards_and_byte_budget(make_engine, restored_engine, url):
     engine, _ = warm_engine(make_engine, PROMPT, OTHER)
     assert len(engine.kv.cached) == 11 + 8
     info = save_snapshot(engine, url, max_bytes=12 * 2048, shard_bytes=5 * 2048)
@@ -110,7 +113,7 @@ def test_multiple_shards_and_byte_budget(make_engine, url):
     for record in manifest.blocks:
         assert record.parent_key in seen
         seen.add(record.key)
-    restored = make_engine(snapshot_url=url)
+    restored, restored_stats = restored_engine(url)
     assert restored.kv_usage().num_cached_free_blocks == 12
 
 
@@ -123,22 +126,23 @@ class FailingStore(FileStore):
         super().write_bytes(name, data)
 
 
-def test_failed_save_leaves_the_previous_snapshot_intact(make_engine, tmp_path):
+def test_failed_save_leaves_the_previous_snapshot_intact(make_engine, restored_engine, tmp_path):
     engine, _ = warm_engine(make_engine)
     good = save_snapshot(engine, FileStore(tmp_path))
     generate(engine, OTHER)
+    stats = SnapshotStats()
     with pytest.raises(SnapshotError, match="previous one is intact"):
-        engine.save_snapshot(FailingStore(tmp_path))
-    assert engine.snapshot_stats.saves == {"failed": 1}
+        save_snapshot(engine, FailingStore(tmp_path), stats=stats)
+    assert stats.saves == {"failed": 1}
     assert list(list_snapshots(FileStore(tmp_path))) == [good.key]  # the partial one is gone
-    restored = make_engine(snapshot_url=tmp_path.as_uri())
+    restored, restored_stats = restored_engine(tmp_path.as_uri())
     assert restored.kv_usage().num_cached_free_blocks == good.blocks
 
 
-def test_import_fills_only_free_blocks_with_whole_chains(make_engine, url):
+def test_import_fills_only_free_blocks_with_whole_chains(make_engine, restored_engine, url):
     engine, _ = warm_engine(make_engine, PROMPT, OTHER)
-    engine.save_snapshot(url)
-    small = make_engine(num_blocks=16, max_model_len=64, snapshot_url=url)
+    save_snapshot(engine, url)
+    small, small_stats = restored_engine(url, num_blocks=16, max_model_len=64)
     usage = small.kv_usage()
     assert usage.num_cached_free_blocks == 16 and usage.num_blocks == 16
     for meta in small.kv.block_meta:
@@ -161,31 +165,31 @@ def test_select_blocks_takes_hot_whole_chains_parents_first():
     hot = chain("a", [5, 5, 1], 100.0)
     warm = chain("b", [2, 2], 50.0)
     orphan = CachedBlock(b"x".ljust(32, b"."), b"gone".ljust(32, b"."), (0,) * BS, hits=99)
-    cached = list(enumerate(hot + warm + [orphan]))
-    names = lambda picked: [m.key.rstrip(b".").decode() for _, m in picked]
+    cached = hot + warm + [orphan]
+    names = lambda picked: [m.key.rstrip(b".").decode() for m in picked]
     assert names(select_blocks(cached, 10)) == ["a0", "a1", "b0", "b1", "a2"]
     assert names(select_blocks(cached, 3)) == ["a0", "a1", "b0"]  # b1 and a2 do not fit
     assert names(select_blocks(cached, 0)) == []
     # A hot tail brings its cold ancestors along.
     tail_hot = chain("c", [0, 0, 9], 10.0)
-    assert names(select_blocks(list(enumerate(tail_hot)), 3)) == ["c0", "c1", "c2"]
-    assert names(select_blocks(list(enumerate(tail_hot)), 2)) == ["c0", "c1"]
+    assert names(select_blocks(tail_hot, 3)) == ["c0", "c1", "c2"]
+    assert names(select_blocks(tail_hot, 2)) == ["c0", "c1"]
 
 
 # --- failures: cold start, one warning, a metric -------------------------------------------------
 
 
-def test_missing_pointer_starts_cold(make_engine, url, caplog):
-    engine = make_engine(snapshot_url=url)
-    assert engine.snapshot_stats.restores == {"missing": 1}
+def test_missing_pointer_starts_cold(make_engine, restored_engine, url, caplog):
+    engine, engine_stats = restored_engine(url)
+    assert engine_stats.restores == {"missing": 1}
     assert len(cold_warnings(caplog)) == 1 and "latest.json not found" in cold_warnings(caplog)[0]
     assert engine.kv_usage().num_cached_free_blocks == 0
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_corrupt_shard_starts_cold(make_engine, tmp_path, damage, caplog):
+def test_corrupt_shard_starts_cold(make_engine, restored_engine, tmp_path, damage, caplog):
     engine, _ = warm_engine(make_engine)
-    info = engine.save_snapshot(tmp_path.as_uri())
+    info = save_snapshot(engine, tmp_path.as_uri())
     shard = tmp_path / info.key / "shard-00000.safetensors"
     data = bytearray(shard.read_bytes())
     if damage == "flip":
@@ -193,44 +197,44 @@ def test_corrupt_shard_starts_cold(make_engine, tmp_path, damage, caplog):
     else:
         data = data[: len(data) - 100]
     shard.write_bytes(bytes(data))
-    restored = make_engine(snapshot_url=tmp_path.as_uri())
-    assert restored.snapshot_stats.restores == {"corrupt": 1}
+    restored, restored_stats = restored_engine(tmp_path.as_uri())
+    assert restored_stats.restores == {"corrupt": 1}
     assert cold_warnings(caplog) == [cold_warnings(caplog)[0]] and "sha256" in cold_warnings(caplog)[0]
     assert restored.kv_usage().num_cached_free_blocks == 0  # nothing half-imported
 
 
-def test_tampered_manifest_starts_cold(make_engine, tmp_path):
+def test_tampered_manifest_starts_cold(make_engine, restored_engine, tmp_path):
     engine, _ = warm_engine(make_engine)
-    info = engine.save_snapshot(tmp_path.as_uri())
+    info = save_snapshot(engine, tmp_path.as_uri())
     manifest = tmp_path / info.key / "manifest.json"
     manifest.write_bytes(manifest.read_bytes().replace(b'"hits":0', b'"hits":1', 1))
-    assert make_engine(snapshot_url=tmp_path.as_uri()).snapshot_stats.restores == {"corrupt": 1}
+    assert restored_engine(tmp_path.as_uri())[1].restores == {"corrupt": 1}
 
 
-def test_other_weights_or_block_size_is_foreign(make_engine, tiny_model_factory, url, caplog):
+def test_other_weights_or_block_size_is_foreign(make_engine, restored_engine, tiny_model_factory, url, caplog):
     engine, _ = warm_engine(make_engine)
-    engine.save_snapshot(url)
+    save_snapshot(engine, url)
     # Same config, same tensor names and shapes, other values: a fine-tune of the same base.
-    other = make_engine(model_dir=tiny_model_factory("llama", seed=1), snapshot_url=url)
-    assert other.snapshot_stats.restores == {"foreign": 1}
-    wider = make_engine(block_size=8, snapshot_url=url)
-    assert wider.snapshot_stats.restores == {"foreign": 1}
+    other, other_stats = restored_engine(url, model_dir=tiny_model_factory("llama", seed=1))
+    assert other_stats.restores == {"foreign": 1}
+    wider, wider_stats = restored_engine(url, block_size=8)
+    assert wider_stats.restores == {"foreign": 1}
     assert len(cold_warnings(caplog)) == 2 and "another model" in cold_warnings(caplog)[0]
     assert other.kv_usage().num_cached_free_blocks == wider.kv_usage().num_cached_free_blocks == 0
 
 
-def test_unreachable_s3_starts_cold(make_engine, s3_env, caplog):
+def test_unreachable_s3_starts_cold(make_engine, restored_engine, s3_env, caplog):
     s3_env.setenv("FERRY_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    engine = make_engine(snapshot_url="s3://ferry-snapshots/model")
-    assert engine.snapshot_stats.restores == {"unreachable": 1}
+    engine, engine_stats = restored_engine("s3://ferry-snapshots/model")
+    assert engine_stats.restores == {"unreachable": 1}
     assert len(cold_warnings(caplog)) == 1 and "unreachable" in cold_warnings(caplog)[0]
     generate(engine, PROMPT, max_tokens=1)  # and it serves
 
 
-def test_metrics_expose_restore_outcomes(make_engine, url):
-    engine = make_engine(snapshot_url=url)
+def test_metrics_expose_restore_outcomes(make_engine, restored_engine, url):
+    engine, engine_stats = restored_engine(url)
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: engine.snapshot_stats))
+    registry.register(SnapshotCollector(lambda: engine_stats))
     text = generate_latest(registry).decode()
     assert 'ferry_snapshot_restores_total{outcome="missing"} 1.0' in text
     assert 'ferry_snapshot_restores_total{outcome="ok"} 0.0' in text

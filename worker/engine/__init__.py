@@ -4,6 +4,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine, EngineStats
 from worker.engine.llm import LLM
 from worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from worker.engine.resume import Resume
 from worker.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "Resume",
     "SamplingParams",
 ]

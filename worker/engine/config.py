@@ -75,10 +75,8 @@ class EngineConfig:
     device: str | None = None  # "cpu", "cuda", "cuda:1"; default cuda when available
     seed: int = 0  # global RNG seed for unseeded sampling
     model_salt: str | None = None  # prefix-cache namespace of this model (default: from its config)
-    snapshot_url: str | None = None  # prefix-cache snapshot store (file:///dir, s3://bucket/prefix): restored at start
-    snapshot_max_bytes: int = 1 << 30  # KV bytes a snapshot keeps at most (the hottest whole chains)
-    snapshot_keep: int = 3  # snapshots kept in the store; older ones are deleted after a save
-    speculative: SpeculativeConfig | dict | None = None  # speculative decoding (see SpeculativeConfig); None = off
+    # Speculative decoding (see SpeculativeConfig; a dict of its fields is accepted too); None = off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -93,6 +91,4 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.snapshot_max_bytes <= 0 or self.snapshot_keep < 1:
-            raise ValueError("snapshot_max_bytes must be > 0 and snapshot_keep >= 1")
         self.speculative = SpeculativeConfig.of(self.speculative)

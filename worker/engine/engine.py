@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -17,7 +17,9 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
 from worker.engine.model_runner import ModelRunner, StepOutput
 from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from worker.engine.prefix_io import PrefixBlocks
 from worker.engine.request import Request
+from worker.engine.resume import Resume
 from worker.engine.sampler import advance_generator
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
@@ -48,6 +50,7 @@ class Engine:
     """A continuously batched, paged-KV engine for one model. Not thread-safe: call it from one thread."""
 
     def __init__(self, model: str, **kwargs) -> None:
+        """`model`: an HF directory or a cached hub id; `kwargs`: the other `EngineConfig` fields."""
         self.config = EngineConfig(model=str(model), **kwargs)
         cfg = self.config
         self.model_dir = resolve_model_path(cfg.model)
@@ -101,12 +104,11 @@ class Engine:
             self.model_dir.name, self.arch.architecture, self.device, self.dtype, num_blocks,
             self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
-        # Lazy import: worker.snapshots.snapshot imports this package. Restoring never raises (cold start).
-        from worker.snapshots.snapshot import SnapshotStats, restore_snapshot
+        self.prefix_blocks = PrefixBlocks(self.kv, self.runner.kv_cache)  # what snapshots save and restore
 
-        self.snapshot_stats = SnapshotStats()  # ferry_snapshot_* counters
-        if cfg.snapshot_url:
-            restore_snapshot(self, cfg.snapshot_url, self.snapshot_stats)
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        return cls(config.model, **{f.name: getattr(config, f.name) for f in fields(config) if f.name != "model"})
 
     # --- set-up helpers ----------------------------------------------------------------------
 
@@ -175,31 +177,20 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
-        output_token_ids: list[int] | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Queue a request. `priority`: lower is served first and preempted last.
 
-        `output_token_ids`: tokens this request already generated elsewhere (a job resumed after
-        its worker died). They extend the context, count against max_tokens and min_tokens, feed
-        the presence/frequency penalties, and advance a seeded request's generator one vector
-        each, so the continuation is the one an uninterrupted run would have produced."""
+        `resume`: the request generated part of its output elsewhere (a job whose worker died);
+        it continues as an uninterrupted run would have (see `worker.engine.resume`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
-        resumed = list(output_token_ids or [])
-        if resumed:
-            if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in resumed):
-                raise ValueError(f"output_token_ids must be integers in [0, {self.arch.vocab_size})")
-            if len(resumed) >= params.max_tokens:
-                raise ValueError(f"{len(resumed)} output tokens already reach max_tokens={params.max_tokens}")
-            if len(token_ids) + len(resumed) >= self.max_model_len:
-                raise ValueError(
-                    f"prompt ({len(token_ids)}) + generated ({len(resumed)}) tokens leave no room in "
-                    f"max_model_len={self.max_model_len}"
-                )
+        resumed = list(resume.token_ids) if resume is not None else []
+        self._validate_resume(token_ids, resumed, params)
         request = Request(
             request_id=str(request_id),
             prompt_token_ids=token_ids,
@@ -217,10 +208,26 @@ class Engine:
             if request.generator is not None:
                 advance_generator(request.generator, len(resumed), self.arch.vocab_size)
         self.scheduler.add(request)
-        if self.tokenizer is not None:
-            # Text starts after the resumed tokens: they are context to this detokenizer.
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, token_ids + resumed, params.stop_strings
+        if self.tokenizer is None:
+            return
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop_strings)
+        self._detokenizers[request.request_id] = detok
+        if resumed and detok.replay(resumed, params.min_tokens, resume.num_text_chars) is not None:
+            self.abort(request.request_id)
+            self._pending.pop()  # nothing was queued: the caller gets the error instead of an abort output
+            raise ValueError("the resumed tokens already end the request with a stop string")
+
+    def _validate_resume(self, prompt_ids: list[int], resumed: list[int], params: SamplingParams) -> None:
+        if not resumed:
+            return
+        if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in resumed):
+            raise ValueError(f"resumed token ids must be integers in [0, {self.arch.vocab_size})")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"{len(resumed)} resumed tokens already reach max_tokens={params.max_tokens}")
+        if len(prompt_ids) + len(resumed) >= self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)}) + resumed ({len(resumed)}) tokens leave no room in "
+                f"max_model_len={self.max_model_len}"
             )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
@@ -271,21 +278,6 @@ class Engine:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
-        )
-
-    def save_snapshot(self, url: str | None = None, only_if_changed: bool = False):
-        """Save the hottest cached prefixes to `url` (default: config.snapshot_url).
-
-        Returns a SnapshotInfo (blocks, tokens, bytes, key), or None when the cache is empty or,
-        with `only_if_changed`, unchanged since the last save or restore. Raises SnapshotError."""
-        from worker.snapshots.snapshot import save_snapshot
-
-        url = url or self.config.snapshot_url
-        if not url:
-            raise ValueError("no snapshot URL: pass one or configure snapshot_url")
-        return save_snapshot(
-            self, url, max_bytes=self.config.snapshot_max_bytes, keep=self.config.snapshot_keep,
-            only_if_changed=only_if_changed, stats=self.snapshot_stats,
         )
 
     # --- the step ------------------------------------------------------------------------------

@@ -20,10 +20,6 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def save_snapshot(self, url: str | None = None, only_if_changed: bool = False):
-        """Save the prefix cache's hottest blocks (see Engine.save_snapshot)."""
-        return self.engine.save_snapshot(url, only_if_changed)
-
     def generate(
         self,
         prompts: str | list[int] | Sequence[str] | Sequence[list[int]],

@@ -57,7 +57,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from worker.snapshots.snapshot import SnapshotError
+    from worker.snapshots import SnapshotError
 
     try:
         return {"save": _save, "load": _load, "inspect": _inspect}[args.command](args)
@@ -80,7 +80,7 @@ def _engine(args: argparse.Namespace):
 
 def _save(args: argparse.Namespace) -> int:
     from worker.engine import SamplingParams
-    from worker.snapshots.snapshot import load_snapshot, save_snapshot
+    from worker.snapshots import load_snapshot, save_snapshot
 
     engine = _engine(args)
     if args.source:
@@ -108,7 +108,7 @@ def _save(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from worker.snapshots.snapshot import load_snapshot
+    from worker.snapshots import load_snapshot
 
     engine = _engine(args)
     result = load_snapshot(engine, args.url, progress=True)
@@ -118,7 +118,7 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from worker.snapshots.snapshot import list_snapshots, read_manifest
+    from worker.snapshots import list_snapshots, read_manifest
     from worker.snapshots.store import StoreError, open_store
 
     store = open_store(args.url)
