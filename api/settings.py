@@ -32,10 +32,3 @@ class ApiSettings(BaseSettings):
     result_ttl_s: int = 86400
     sse_keepalive_s: float = 15.0
     log_level: str = "INFO"
-
-    # Webhooks (the Celery app in worker/webhooks.py reads the same variables)
-    webhook_secret: str | None = None  # "whsec_<base64>"
-    webhook_retry_base_s: float = 2.0
-    webhook_max_attempts: int = 8
-    webhook_timeout_s: float = 10.0
-    webhook_allow_private: bool = False

@@ -14,7 +14,7 @@ COMMANDS = {
     "generate": ("worker.tools.generate", "main", "generate completions offline with the engine (LLM.generate)"),
     "worker": ("worker.serve.main", "main", "run a worker: Redis Streams in, tokens out"),
     "api": ("api.main", "main", "run the HTTP API (FastAPI + uvicorn)"),
-    "webhooks": ("worker.webhooks.delivery", "main", "run the Celery worker that delivers signed webhooks"),
+    "webhooks": ("worker.webhooks.cli", "main", "run the Celery worker that delivers signed webhooks"),
     "up": ("worker.tools.up", "main", "run the whole stack on this machine (--demo streams a few completions)"),
     "snapshot": ("worker.snapshots.cli", "main", "save, load or inspect prefix-cache snapshots"),
     "autoscale": ("infra.autoscaler", "main", "compute and publish the desired worker count from queue backlog"),

@@ -11,14 +11,16 @@ import yaml
 from api.settings import ApiSettings
 from infra.autoscaler.settings import AutoscalerSettings
 from tests.infra.hcl import TERRAFORM
-from worker.protocol.keys import GROUP, Keys
+from worker.protocol import GROUP, Keys
 from worker.serve.settings import WorkerSettings
-from worker.webhooks.delivery import WebhookSettings
+from worker.webhooks.settings import WebhookSettings
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 K8S = INFRA / "k8s"
 SETTINGS = (WorkerSettings, ApiSettings, WebhookSettings, AutoscalerSettings)
-FERRY_VARS = {"FERRY_" + name.upper() for cls in SETTINGS for name in cls.model_fields}
+FERRY_VARS = WorkerSettings.variable_names() | {
+    "FERRY_" + name.upper() for cls in SETTINGS if cls is not WorkerSettings for name in cls.model_fields
+}
 
 # Variables that are not Ferry settings but are read by a library or the image itself.
 THIRD_PARTY_VARS = {

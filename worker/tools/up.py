@@ -32,7 +32,7 @@ import redis
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.serve.settings import SHIPPED_DEMO_MODEL
-from worker.webhooks.delivery import new_secret
+from worker.webhooks.signing import new_secret
 
 DEMO_PROMPTS = [
     "Ferry is a serverless inference worker that",

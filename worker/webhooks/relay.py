@@ -18,21 +18,14 @@ from datetime import UTC, datetime
 
 import redis
 
-from worker.protocol.jobs import TERMINAL_EVENT_TYPES, JobRecord, JobState, event_from_fields
-from worker.protocol.keys import Keys, parse_watch_value, watch_value
-from worker.webhooks.delivery import Attempt, Delivery, WebhookSettings, enqueue
+from worker.protocol import TERMINAL_EVENT_TYPES, WEBHOOK_EVENT_FOR, JobRecord, JobState, Keys, event_from_fields
+from worker.protocol.keys import parse_watch_value, watch_value
+from worker.webhooks.delivery import Attempt, WebhookMessage
+from worker.webhooks.settings import WebhookSettings
+from worker.webhooks.tasks import enqueue
 
 log = logging.getLogger("ferry.webhooks.relay")
 
-# Event type on the job stream -> webhook event name. A timeout is a failure to the receiver
-# (its `data.status` says `timed_out`).
-WEBHOOK_EVENT = {
-    "started": "job.started",
-    "completed": "job.completed",
-    "failed": "job.failed",
-    "timed_out": "job.failed",
-    "cancelled": "job.cancelled",
-}
 FORGET_AFTER_S = 60.0  # a watched job whose hash is still missing this long after registration is gone
 GC_INTERVAL_S = 30.0
 
@@ -101,7 +94,7 @@ class Relay:
         """Relay a batch of one job's events, then move its mark (or drop it after the last)."""
         for _, fields in entries:
             event = event_from_fields(fields)
-            name = WEBHOOK_EVENT.get(event.type)
+            name = WEBHOOK_EVENT_FOR.get(event.type)
             if name is not None:
                 self._hand_off(job_id, name, event.ts)
             if event.type in TERMINAL_EVENT_TYPES:
@@ -121,7 +114,7 @@ class Relay:
             return
         body = json.dumps(job_payload(name, record, ts), separators=(",", ":"))
         # The id names the (job, event) pair, so it is the same on every retry and every relay.
-        enqueue(self.app, Delivery(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body))
+        enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body))
 
     def _forget_expired(self, watched: dict[str, tuple[str, float]]) -> None:
         self._last_gc = time.time()
@@ -130,7 +123,7 @@ class Relay:
                 self.redis.hdel(self.keys.webhook_watch, job_id)
                 del watched[job_id]
 
-    def record(self, delivery: Delivery, attempt: Attempt, attempts: int) -> None:
+    def record(self, delivery: WebhookMessage, attempt: Attempt, attempts: int) -> None:
         """Store a settled delivery's outcome where GET /v1/jobs/{id} shows it."""
         outcome = {
             "webhook_id": delivery.webhook_id,

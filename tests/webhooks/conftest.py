@@ -1,0 +1,3 @@
+"""Webhook test fixtures."""
+
+from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)

@@ -1,0 +1,60 @@
+"""`ferry webhooks`: the Celery worker that delivers signed webhooks, and the relay that feeds it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from worker.protocol import Keys
+from worker.webhooks.delivery import Attempt, WebhookMessage
+from worker.webhooks.relay import Relay
+from worker.webhooks.settings import WebhookSettings
+from worker.webhooks.signing import secret_key
+from worker.webhooks.tasks import make_celery
+
+log = logging.getLogger("ferry.webhooks")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ferry webhooks`: the Celery delivery worker plus the job-event relay, in one process."""
+    parser = argparse.ArgumentParser(prog="ferry webhooks", description=main.__doc__)
+    parser.add_argument("--concurrency", type=int, default=None, help="delivery threads (FERRY_WEBHOOK_CONCURRENCY)")
+    parser.add_argument("--loglevel", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = WebhookSettings()
+    if not settings.webhook_secret:
+        log.error("FERRY_WEBHOOK_SECRET is not set (expected 'whsec_<base64>'): refusing to send unsigned webhooks")
+        return 2
+    secret_key(settings.webhook_secret)
+    if settings.webhook_allow_private:
+        log.warning("FERRY_WEBHOOK_ALLOW_PRIVATE is on: webhooks may reach private and loopback addresses")
+    registry = CollectorRegistry()
+    outcomes = Counter("ferry_webhook_deliveries", "Settled webhook deliveries", ["outcome"], registry=registry)
+    if settings.webhook_metrics_port:
+        start_http_server(settings.webhook_metrics_port, registry=registry)
+    relay = Relay(settings)
+
+    def on_final(message: WebhookMessage, attempt: Attempt, attempts: int) -> None:
+        outcomes.labels("failed" if attempt.outcome == "retry" else attempt.outcome).inc()
+        relay.record(message, attempt, attempts)
+
+    app = make_celery(settings, on_final)
+    relay.app = app
+    stop = threading.Event()
+    threading.Thread(target=relay.run, args=(stop,), name="webhook-relay", daemon=True).start()
+    concurrency = args.concurrency or settings.webhook_concurrency
+    try:
+        app.worker_main([
+            "worker", "--pool=threads", f"--concurrency={concurrency}", f"--loglevel={args.loglevel}",
+            "-Q", Keys(settings.key_prefix).webhook_queue, "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-n", f"ferry-webhooks-{os.getpid()}@{socket.gethostname()}",
+        ])
+    finally:
+        stop.set()
+    return 0

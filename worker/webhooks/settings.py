@@ -1,0 +1,21 @@
+"""The webhook process's settings: environment variables `FERRY_*` (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WebhookSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "ferry"
+    webhook_secret: str | None = None  # "whsec_<base64>"; required to deliver
+    webhook_retry_base_s: float = 2.0  # first retry after ~base, then doubling (with jitter)
+    webhook_retry_max_s: float = 3600.0  # cap on one backoff
+    webhook_max_attempts: int = 8
+    webhook_timeout_s: float = 10.0
+    webhook_allow_private: bool = False
+    webhook_concurrency: int = 16  # delivery threads in the Celery worker
+    webhook_metrics_port: int = 9301  # 0 disables the Prometheus endpoint
+    result_ttl_s: int = 86400  # how long delivery outcomes are kept (as long as the job)
