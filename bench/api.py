@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 
 def _default_model() -> Path:
-    from worker.demo_model import make_demo_model
+    from worker.tools.demo_model import make_demo_model
 
     directory = REPO / ".ferry" / "bench-models" / "demo"
     return directory if (directory / "config.json").is_file() else make_demo_model(directory)

@@ -118,7 +118,7 @@ class QueueClient:
     def __init__(self, redis_url: str, prefix: str) -> None:
         import redis
 
-        from worker.keys import Keys
+        from worker.protocol import Keys
 
         self.client = redis.Redis.from_url(redis_url, decode_responses=True)
         self.keys = Keys(prefix)
@@ -189,7 +189,7 @@ def start_worker(model: Path, redis_url: str, prefix: str, jobs: int, threads: i
     }
     if threads:
         env["FERRY_TORCH_THREADS"] = str(threads)
-    return subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "worker.serve.main"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=log.open("w"))
 
 
@@ -289,7 +289,7 @@ def _default_model(quick: bool) -> Path:
         from bench.models import smollm2_shaped
 
         return smollm2_shaped()
-    from worker.demo_model import make_demo_model
+    from worker.tools.demo_model import make_demo_model
 
     directory = Path(".ferry/bench-models/demo")
     return directory if (directory / "config.json").is_file() else make_demo_model(directory)

@@ -87,7 +87,7 @@ def resolve_models(model: str, draft: str | None) -> tuple[Path, Path, str]:
 
 def _random_pair(target: Path, draft: Path) -> tuple[Path, Path]:
     if not (target / "config.json").is_file():
-        from worker.demo_model import make_demo_model
+        from worker.tools.demo_model import make_demo_model
 
         make_demo_model(target, hidden_size=192, num_layers=6)
     if not (draft / "config.json").is_file():

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import redis
 
-from worker.protocol.jobs import JobRecord, JobRequest, enqueue_job, event_from_fields
-from worker.protocol.keys import Keys
+from worker.protocol import JobRecord, JobRequest, Keys, enqueue_job, event_from_fields
 
 REPO = Path(__file__).resolve().parents[2]
 

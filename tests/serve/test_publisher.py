@@ -8,20 +8,21 @@ import uuid
 import pytest
 import redis
 
-from worker.protocol.jobs import (
+from worker.protocol import (
     CompletedEvent,
     JobRecord,
     JobRequest,
+    Keys,
     Timings,
     TokenEvent,
     Usage,
     enqueue_job,
     event_from_fields,
 )
-from worker.protocol.keys import Keys
 from worker.serve.intake import Consumer
-from worker.serve.publisher import JobWrite, Publisher, end_write
+from worker.serve.publisher import Publisher
 from worker.serve.settings import WorkerSettings
+from worker.serve.writes import HandBack, Progress, finish
 
 pytestmark = pytest.mark.redis
 
@@ -99,10 +100,9 @@ def test_step_writes_then_terminal_write_acks_last(env):
     client, keys, _ = env
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
-    assert pub.write([JobWrite(job.job_id, job.delivery, events=[TokenEvent(seq=1, text="a", token_ids=[5])],
-                               first_token_at=123.0)]) == set()
+    assert pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="a", token_ids=[5])], first_token_at=123.0)]) == set()
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1
-    final = end_write(job.job_id, job.delivery, _done(3), "w1", {"text": "ab"},
+    final = finish(job.job_id, job.delivery, _done(3), "w1", {"text": "ab"},
                       events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])
     assert pub.write([final]) == set()
     assert [f["seq"] for _, f in client.xrange(keys.events(job.job_id))] == ["0", "1", "2", "3"]
@@ -117,11 +117,11 @@ def test_a_seq_written_by_another_worker_means_the_job_is_lost(env):
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
     mine = TokenEvent(seq=1, text="a", token_ids=[5])
-    assert pub.write([JobWrite(job.job_id, job.delivery, events=[mine])]) == set()
-    assert pub.write([JobWrite(job.job_id, job.delivery, events=[mine])]) == set()  # a retry of our own write
+    assert pub.write([Progress(job.job_id, [mine])]) == set()
+    assert pub.write([Progress(job.job_id, [mine])]) == set()  # a retry of our own write
     theirs = TokenEvent(seq=2, text="x", token_ids=[9])
     client.xadd(keys.events(job.job_id), {"seq": "2", "type": "token", "data": theirs.model_dump_json()}, id="2-1")
-    lost = pub.write([end_write(job.job_id, job.delivery, _done(3), "w1", events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])])
+    lost = pub.write([finish(job.job_id, job.delivery, _done(3), "w1", events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])])
     assert lost == {job.job_id}
     assert client.hget(keys.job(job.job_id), "state") == "running"  # nothing after the refused event was written
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1
@@ -131,8 +131,8 @@ def test_hand_back_requeues_on_high_and_the_next_worker_resumes(env):
     client, keys, _ = env
     _, job = _take_one(env, "w1")
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
-    pub.write([JobWrite(job.job_id, job.delivery, events=[TokenEvent(seq=1, text="ab", token_ids=[5, 6])])])
-    pub.write([JobWrite(job.job_id, job.delivery, hand_back=True, attempts=0)])
+    pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="ab", token_ids=[5, 6])])])
+    pub.write([HandBack(job.job_id, job.delivery, attempts=0)])
     assert client.hget(keys.job(job.job_id), "state") == "queued"
     other = _consumer(env, "w2")
     deliveries = other.read(room=4, block_ms=0)

@@ -15,8 +15,7 @@ import pytest
 import redis
 
 from tests.serve.conftest import enqueue, record
-from worker.protocol.jobs import JobState
-from worker.protocol.keys import Keys
+from worker.protocol import JobState, Keys
 from worker.serve.main import Worker
 from worker.serve.settings import WorkerSettings
 
@@ -40,8 +39,9 @@ def test_idle_worker_exits_zero_and_saves_a_snapshot(llama_dir, tmp_path, restor
     # idle_timeout_s: 2 s, so that on a loaded machine the queued job is surely read before the
     # worker counts itself idle (1 s failed once when this machine ran 2.4x slower).
     settings = WorkerSettings(
-        key_prefix=prefix, model=str(llama_dir), model_name="tiny", worker_id="idle-1", metrics_port=0,
-        metrics_host="127.0.0.1", idle_timeout_s=2.0, kv_cache_bytes=16 << 20, max_num_seqs=4,
+        key_prefix=prefix, model_name="tiny", worker_id="idle-1", metrics_port=0,
+        engine={"model": str(llama_dir), "kv_cache_bytes": 16 << 20, "max_num_seqs": 4},
+        metrics_host="127.0.0.1", idle_timeout_s=2.0,
         snapshot_url=f"file://{tmp_path}/snap", heartbeat_interval_s=0.2,
     )
     try:

@@ -32,16 +32,16 @@ from tests.serve.conftest import (
     wait_terminal,
 )
 from worker.engine import LLM, SamplingParams
-from worker.protocol.jobs import (
+from worker.protocol import (
     ErrorCode,
     JobRecord,
     JobState,
+    Keys,
     cancel_job,
     decode_event,
     enqueue_job,
     new_job_id,
 )
-from worker.protocol.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 

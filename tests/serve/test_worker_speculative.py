@@ -21,8 +21,7 @@ from tests.serve.conftest import (
     wait_terminal,
 )
 from worker.engine import LLM, SamplingParams
-from worker.protocol.jobs import JobState
-from worker.protocol.keys import Keys
+from worker.protocol import JobState, Keys
 
 pytestmark = pytest.mark.redis
 

@@ -1,8 +1,9 @@
-"""The engine thread: admits started jobs, steps the engine, turns its outputs into `JobWrite`s.
+"""The engine thread: admits started jobs, steps the engine, turns its outputs into writes.
 
-Only this thread touches the engine. Other threads talk to it through `start`, `abort` and
-`hand_back_all`, which only queue a command; the thread takes commands between steps and hands
-each step's writes to the publisher without waiting for Redis.
+Only this thread touches the engine. Other threads talk to it through `start`, `settle`, `abort`
+and `hand_back_all`, which only queue a command (`Start`, `Abort`, `HandBackAll`); the thread
+takes commands between steps and hands each step's writes (`worker.serve.writes`) to the
+publisher without waiting for Redis.
 
 Arrivals: the intake `announce`s jobs it has read and is still preparing, then `start`s them in
 chunks. While announced jobs are on their way and the requests already here would not fill a
@@ -10,11 +11,9 @@ step, the thread waits for them (briefly) rather than step half-empty; once a st
 goes at once, and the rest are admitted during that step (a burst's first jobs do not wait for
 the whole burst to be prepared).
 
-A re-delivered job is admitted with its prompt and the tokens already generated as the engine
-request's earlier output (`output_token_ids`), so max/min tokens, penalties and a seed continue
-where the first attempt stopped. Its text is produced by a
-detokenizer of its own that has replayed the earlier tokens, so a character or a stop string
-that straddles the hand-over comes out exactly as in an uninterrupted run.
+A re-delivered job is admitted with the tokens and text the client already has as the engine
+request's `Resume`: the engine continues exactly where the first attempt stopped and releases
+only new text.
 """
 
 from __future__ import annotations
@@ -27,15 +26,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine import SamplingParams
-from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.outputs import RequestOutput
-from worker.protocol.jobs import (
+from worker.engine import Engine, EngineStats, RequestOutput, Resume, SamplingParams
+from worker.protocol import (
     ENGINE_PRIORITY,
     CancelledEvent,
     CompletedEvent,
     ErrorCode,
     FailedEvent,
+    JobRequest,
     TimedOutEvent,
     Timings,
     TokenEvent,
@@ -45,13 +43,36 @@ from worker.protocol.jobs import (
 )
 from worker.serve.intake import JobStart
 from worker.serve.metrics import WorkerMetrics
-from worker.serve.publisher import JobWrite, end_write
+from worker.serve.writes import Finish, HandBack, JobWrite, Progress, finish
 
-log = logging.getLogger("ferry.worker.runner")
+log = logging.getLogger("ferry.worker.engine")
 
 _STATS_INTERVAL_S = 0.25  # how often the engine's stats are copied out for /metrics and the heartbeat
 _ARRIVAL_WAIT_S = 0.02  # longest wait for announced jobs before stepping without them
 _IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its timers
+
+
+# --- commands from other threads -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    jobs: list[JobStart]  # admitted together: they share their first step
+    arrived: int  # announced jobs now accounted for (started here or settled otherwise)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    job_id: str
+    lost: bool  # another worker has the job: stop and write nothing; else it was cancelled
+
+
+@dataclass(frozen=True, slots=True)
+class HandBackAll:
+    """Stop every job now and hand it back to the queue (a drain ran out of time)."""
+
+
+Command = Start | Abort | HandBackAll
 
 
 @dataclass(slots=True)
@@ -64,7 +85,6 @@ class _Run:
     token_ids: list[int]  # every generated token, earlier attempts included
     text: list[str]  # every released text piece, earlier attempts included
     first_token_at: float | None
-    detok: IncrementalDetokenizer | None = None  # resumed jobs only
     cached_tokens: int = 0
     pending: list = field(default_factory=list)  # events of this step not yet handed over
 
@@ -73,22 +93,21 @@ class _Run:
         return self.next_seq - 1
 
 
-class JobRunner:
-    def __init__(self, engine, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
-                 snapshot_every_s: float | None = None) -> None:
+class EngineLoop:
+    def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
+                 idle_task: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.snapshot_every_s = snapshot_every_s  # save the prefix cache this often (when it changed), while idle
         self.worker_id = worker_id
         self.metrics = metrics
         self.submit = submit
+        self.idle_task = idle_task  # run between jobs only (a periodic snapshot): a running job's step never waits on it
         self.runs: dict[str, _Run] = {}
-        self.stats = None  # latest EngineStats, replaced whole (read by other threads)
+        self.stats: EngineStats | None = None  # latest, replaced whole (read by other threads)
         self.stop = threading.Event()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._arriving = 0  # jobs announced by the intake and not yet started or settled
         self._arriving_lock = threading.Lock()
         self._stats_at = 0.0
-        self._snapshot_at = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- commands (any thread) -----------------------------------------------------------------
@@ -105,21 +124,19 @@ class JobRunner:
         return self._arriving
 
     def start(self, jobs: list[JobStart], arrived: int = 0) -> None:
-        """Admit `jobs` together (they share their first step); `arrived` announced jobs are now
-        accounted for (started here or settled otherwise)."""
-        self._inbox.put(("start", jobs, arrived))
+        """Admit `jobs` together; `arrived` announced jobs are now accounted for."""
+        self._inbox.put(Start(jobs, arrived))
 
     def settle(self, arrived: int) -> None:
         """`arrived` announced jobs will not come (the intake gave up on them)."""
-        self._inbox.put(("start", [], arrived))
+        self._inbox.put(Start([], arrived))
 
-    def abort(self, job_id: str, reason: str) -> None:
-        """reason: "cancelled" (write the cancelled event) or "lost" (another worker has it: write nothing)."""
-        self._inbox.put(("abort", job_id, reason))
+    def abort(self, job_id: str, lost: bool = False) -> None:
+        """Stop a job: cancelled (write the cancelled event), or `lost` to another worker (write nothing)."""
+        self._inbox.put(Abort(job_id, lost))
 
     def hand_back_all(self) -> None:
-        """Stop every job now and hand it back to the queue (drain ran out of time)."""
-        self._inbox.put(("hand_back",))
+        self._inbox.put(HandBackAll())
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -131,28 +148,17 @@ class JobRunner:
             self._expire(writes)
             if self.engine.has_unfinished_requests():
                 writes += self._step()
-            elif self.snapshot_every_s is not None and time.monotonic() - self._snapshot_at > self.snapshot_every_s:
-                self._snapshot()
+            elif self.idle_task is not None:
+                self.idle_task()
             now = time.monotonic()
             # A job's end refreshes them before its terminal write goes out: whoever sees the job
             # finished and then scrapes /metrics sees its tokens counted.
-            if now - self._stats_at > _STATS_INTERVAL_S or any(w.terminal for w in writes):
+            if now - self._stats_at > _STATS_INTERVAL_S or any(isinstance(w, Finish) for w in writes):
                 self._stats_at = now
                 self.stats = self.engine.stats()
                 self.metrics.set_engine_stats(self.stats)
             if writes:
                 self.submit(writes)
-
-    def _snapshot(self) -> None:
-        """Periodic save, only between jobs: a running job's step never waits on the store."""
-        self._snapshot_at = time.monotonic()
-        try:
-            info = self.engine.save_snapshot(only_if_changed=True)
-        except Exception:
-            log.exception("periodic snapshot failed")
-            return
-        if info is not None:
-            log.info("snapshot saved", extra={"blocks": info.blocks, "key": info.key})
 
     def _await_arrivals(self, writes: list[JobWrite]) -> None:
         """Announced jobs would join the next step: take them first, unless the step is full anyway."""
@@ -170,16 +176,14 @@ class JobRunner:
         except queue.Empty:
             return
         while True:
-            kind, *args = command
-            if kind == "start":
-                jobs, arrived = args
-                for job in jobs:
+            if isinstance(command, Start):
+                for job in command.jobs:
                     writes += self._admit(job)
-                if arrived:
+                if command.arrived:
                     with self._arriving_lock:
-                        self._arriving -= arrived
-            elif kind == "abort":
-                writes += self._abort(*args)
+                        self._arriving -= command.arrived
+            elif isinstance(command, Abort):
+                writes += self._abort(command)
             else:
                 writes += self._hand_back()
             try:
@@ -224,24 +228,19 @@ class JobRunner:
             params = SamplingParams(**req.sampling_kwargs())
         except (ValueError, TypeError) as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
+        resume = Resume(resumed, len(job.resume.text)) if resumed else None
         try:
-            # The engine counts the earlier tokens as this request's own output (max/min tokens,
-            # penalties, a seed's position), so the rest is what an uninterrupted run would give.
-            self.engine.add_request(job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority],
-                                    output_token_ids=resumed)
+            self.engine.add_request(job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority], resume=resume)
         except ValueError as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
         except Exception as exc:
             log.exception("engine refused a request", extra={"job_id": job.job_id})
             return [self._fail(job.job_id, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")]
-        if resumed and self.engine.tokenizer is not None:
-            run.detok = _replayed_detokenizer(self.engine.tokenizer, prompt_ids, params.stop_strings, resumed,
-                                              req.min_tokens, len(job.resume.text))
         log.info("job admitted", extra={"job_id": job.job_id, "attempt": job.attempts, "prompt_tokens": len(prompt_ids),
                                         "resumed_tokens": len(resumed)})
         return []
 
-    def _prompt_ids(self, req) -> list[int]:
+    def _prompt_ids(self, req: JobRequest) -> list[int]:
         if req.messages is not None:
             return self.engine.apply_chat_template([m.for_template() for m in req.messages])
         if isinstance(req.prompt, str):
@@ -253,55 +252,42 @@ class JobRunner:
     def _on_output(self, run: _Run, out: RequestOutput) -> JobWrite | None:
         job = run.start
         first_token_at = None
-        stop_hit = None
         if out.new_token_ids:
             if run.first_token_at is None:
                 run.first_token_at = first_token_at = time.time()
                 self.metrics.ttft.observe(first_token_at - job.request.created_at)
             run.token_ids += out.new_token_ids
-            text, stop_hit = self._text(run, out)
-            run.text.append(text)
+            run.text.append(out.new_text)
             run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
-            run.pending.append(TokenEvent(seq=run.seq(), text=text, token_ids=out.new_token_ids,
+            run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=out.new_token_ids,
                                           logprobs=_logprobs(out, job.request.top_logprobs)))
         elif out.new_text:  # held-back text released at the end
             run.text.append(out.new_text)
             run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[]))
-        if stop_hit is not None and not out.finished:
-            self.engine.abort(job.job_id)  # the stop string straddled the resume point: the engine could not see it
-            return self._complete(run, "stop", stop_hit, out.metrics.inter_token_latencies)
         if out.finished:
             if out.finish_reason in ("stop", "length"):
                 return self._complete(run, out.finish_reason, out.stop_reason, out.metrics.inter_token_latencies)
             return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, f"engine ended the request ({out.finish_reason})")
         events, run.pending = run.pending, []
-        return JobWrite(job.job_id, job.delivery, events=events, first_token_at=first_token_at) if events or first_token_at else None
-
-    def _text(self, run: _Run, out: RequestOutput) -> tuple[str, str | None]:
-        if run.detok is None:
-            return out.new_text, None
-        stop_hit = None
-        for i, token in enumerate(out.new_token_ids):
-            final = out.finished and i == len(out.new_token_ids) - 1
-            check = len(run.token_ids) - len(out.new_token_ids) + i + 1 >= run.start.request.min_tokens
-            stop_hit = run.detok.add_tokens([token], final=final, check_stop=check) or stop_hit
-        return run.detok.take_delta(out.finished or stop_hit is not None), stop_hit
+        if not events and first_token_at is None:
+            return None
+        return Progress(job.job_id, events, first_token_at)
 
     # --- endings --------------------------------------------------------------------------------------
 
-    def _complete(self, run: _Run, finish_reason: str, stop_reason, itls: list[float]) -> JobWrite:
+    def _complete(self, run: _Run, finish_reason: str, stop_reason, itls: list[float]) -> Finish:
         for itl in itls:
             self.metrics.itl.observe(itl)
         event = CompletedEvent(seq=run.seq(), finish_reason=finish_reason, stop_reason=stop_reason, usage=self._usage(run),
                                timings=self._timings(run))
         return self._end(run, event)
 
-    def _fail(self, job_id: str, code: str, message: str) -> JobWrite:
+    def _fail(self, job_id: str, code: str, message: str) -> Finish:
         run = self.runs[job_id]
         log.warning("job failed", extra={"job_id": job_id, "code": code, "error": message})
         return self._end(run, FailedEvent(seq=run.seq(), code=code, message=message))
 
-    def _end(self, run: _Run, event) -> JobWrite:
+    def _end(self, run: _Run, event) -> Finish:
         job = run.start
         self.runs.pop(job.job_id, None)
         self.engine.abort(job.job_id)  # no-op (False) when the engine already finished it
@@ -315,16 +301,16 @@ class JobRunner:
         if isinstance(event, CompletedEvent):
             result |= {"finish_reason": event.finish_reason, "stop_reason": json.dumps(event.stop_reason)}
         events, run.pending = run.pending, []
-        return end_write(job.job_id, job.delivery, event, self.worker_id, result, events_before=events)
+        return finish(job.job_id, job.delivery, event, self.worker_id, result, events_before=events)
 
-    def _abort(self, job_id: str, reason: str) -> list[JobWrite]:
-        run = self.runs.get(job_id)
+    def _abort(self, command: Abort) -> list[JobWrite]:
+        run = self.runs.get(command.job_id)
         if run is None:
             return []
-        if reason == "lost":
-            self.runs.pop(job_id)
-            self.engine.abort(job_id)
-            log.warning("job lost to another worker", extra={"job_id": job_id})
+        if command.lost:
+            self.runs.pop(command.job_id)
+            self.engine.abort(command.job_id)
+            log.warning("job lost to another worker", extra={"job_id": command.job_id})
             return []
         return [self._end(run, CancelledEvent(seq=run.seq()))]
 
@@ -338,13 +324,13 @@ class JobRunner:
                 log.warning("job timed out", extra={"job_id": job_id})
 
     def _hand_back(self) -> list[JobWrite]:
-        writes = []
+        writes: list[JobWrite] = []
         for job_id, run in list(self.runs.items()):
             self.runs.pop(job_id)
             self.engine.abort(job_id)
             events, run.pending = run.pending, []
             # This delivery does not count against max_attempts: the worker left, the job did not fail.
-            writes.append(JobWrite(job_id, run.start.delivery, events=events, hand_back=True, attempts=run.start.attempts - 1))
+            writes.append(HandBack(job_id, run.start.delivery, events, attempts=run.start.attempts - 1))
         return writes
 
     # --- result fields -------------------------------------------------------------------------------
@@ -365,16 +351,6 @@ class JobRunner:
             tbt_s=(end - first) / (n - 1) if first is not None and n > 1 else None,
             total_s=end - created,
         )
-
-
-def _replayed_detokenizer(tokenizer, prompt_ids: list[int], stop_strings: list[str], earlier: list[int],
-                          min_tokens: int, emitted_chars: int) -> IncrementalDetokenizer:
-    """A detokenizer in the state the first attempt's was in after `earlier` (token by token, as the engine feeds it)."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop_strings)
-    for i, token in enumerate(earlier):
-        detok.add_tokens([token], final=False, check_stop=i + 1 >= min_tokens)
-    detok.num_emitted_chars = emitted_chars
-    return detok
 
 
 def _logprobs(out: RequestOutput, top_n: int) -> list[TokenLogprob] | None:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import redis
 from pydantic import ValidationError
 
-from worker.protocol import lua
-from worker.protocol.jobs import (
+from worker.protocol import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
     CancelledEvent,
@@ -32,74 +31,21 @@ from worker.protocol.jobs import (
     ErrorCode,
     FailedEvent,
     JobRequest,
+    JobState,
+    Keys,
     StartedEvent,
     TimedOutEvent,
     TokenEvent,
-    encode_event,
     event_from_fields,
+    event_json_tail,
+    lua,
 )
-from worker.protocol.keys import Keys
-from worker.serve.publisher import Delivery, JobWrite, end_write
+from worker.protocol.codec import pairs_to_dict
+from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.serve.settings import WorkerSettings
+from worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
 
-log = logging.getLogger("ferry.worker.serve.intake")
-
-# KEYS[1] job hash, KEYS[2] events stream
-# ARGV: worker id, now, job channel, the started event's JSON after its leading `{"seq":0`
-_START_LUA = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if (state ~= 'queued' and state ~= 'running') or redis.call('HGET', KEYS[1], 'cancel') == '1' then return 0 end
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker_id', ARGV[1])
-redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
-if redis.call('XLEN', KEYS[2]) == 0 then
-  local data = '{"seq":0' .. ARGV[4]
-  redis.call('XADD', KEYS[2], '0-1', 'seq', '0', 'type', 'started', 'data', data)
-  redis.call('PUBLISH', ARGV[3], data)
-end
-return attempts
-"""
-
-# KEYS: one queue stream per entry; ARGV: group, consumer, then the entry ids (aligned with KEYS).
-_RENEW_LUA = """
-local lost = {}
-for k = 1, #KEYS do
-  local id = ARGV[k + 2]
-  local p = redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1)
-  if #p == 0 or p[1][2] ~= ARGV[2] then
-    table.insert(lost, id)
-  else
-    redis.call('XCLAIM', KEYS[k], ARGV[1], ARGV[2], 0, id, 'JUSTID')
-  end
-end
-return lost
-"""
-
-
-# KEYS: the queue streams, highest priority first; ARGV: group, consumer, most entries to take.
-# XREADGROUP each stream in turn until the count is met: strict priority in one round trip
-# (a read per stream from Python was three round trips on every intake, and three more to see
-# that nothing else had arrived). A stream without the group (Redis restarted empty, a stream
-# deleted) is skipped, not an error: what the others gave is already pending here and must come
-# back. Returns {{stream, {{id, {field, value, ...}}, ...}} per stream read, {streams without the group}}.
-_READ_LUA = """
-local out, missing = {}, {}
-local left = tonumber(ARGV[3])
-for i = 1, #KEYS do
-  if left <= 0 then break end
-  local answer = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
-  if type(answer) == 'table' and answer.err then
-    if not string.find(answer.err, 'NOGROUP') then return redis.error_reply(answer.err) end
-    table.insert(missing, KEYS[i])
-  elseif answer then
-    local entries = answer[1][2]
-    left = left - #entries
-    table.insert(out, {KEYS[i], entries})
-  end
-end
-return {out, missing}
-"""
-
+log = logging.getLogger("ferry.worker.intake")
 
 @dataclass(slots=True)
 class Resume:
@@ -139,9 +85,9 @@ class Consumer:
         self.worker_id = worker_id
         self.model = settings.served_model_name
         self.streams = keys.queues(self.model)
-        self._start = client.register_script(_START_LUA)
-        self._read = client.register_script(_READ_LUA)
-        self._renew = client.register_script(_RENEW_LUA)
+        self._start = client.register_script(lua.START)
+        self._read = client.register_script(lua.READ)
+        self._renew = client.register_script(lua.RENEW)
         self._reap_cursor = dict.fromkeys(self.streams, "0-0")
 
     def ensure_groups(self) -> None:
@@ -177,7 +123,7 @@ class Consumer:
         read, missing = self._read(keys=self.streams, args=[self.keys.group, self.worker_id, room])
         if missing:
             self.ensure_groups()
-        return [Delivery(stream, entry_id, _pairs_to_dict(fields)) for stream, entries in read for entry_id, fields in entries]
+        return [Delivery(stream, entry_id, pairs_to_dict(fields)) for stream, entries in read for entry_id, fields in entries]
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None) -> list[Delivery]:
         try:
@@ -222,7 +168,7 @@ class Consumer:
                 pipe.hget(self.keys.job(job_id), "cancel")
             return pipe
 
-        lost_entries, *flags = _raise_errors(lua.execute(build, [self._renew]))
+        lost_entries, *flags = lua.raise_errors(lua.execute(build, [self._renew]))
         lost = {job_id for job_id, d in held if d.entry_id in set(lost_entries)}
         cancelled = {job_id for (job_id, _), flag in zip(held, flags, strict=True) if flag == "1"}
         return lost, cancelled
@@ -268,7 +214,7 @@ class Consumer:
                                      attempts=0, job_id=job_id)
         events = [event_from_fields(fields) for _, fields in entries]
         if job.get("state") in TERMINAL_STATES or (events and events[-1].type in TERMINAL_EVENT_TYPES):
-            return JobWrite(None, d, terminal=True)  # settled already (e.g. cancelled while queued)
+            return Discard(d)  # settled already (e.g. cancelled while queued)
         next_seq = events[-1].seq + 1 if events else 0
         attempts = int(job.get("attempts", "0"))
         if c.envelope_error is not None:
@@ -276,10 +222,10 @@ class Consumer:
         try:
             request = JobRequest.model_validate_json(job.get("request", ""))
         except ValidationError as exc:
-            return end_write(job_id, d, FailedEvent(seq=next_seq, code=ErrorCode.INVALID_REQUEST, message=_validation_summary(exc)),
+            return finish(job_id, d, FailedEvent(seq=next_seq, code=ErrorCode.INVALID_REQUEST, message=_validation_summary(exc)),
                              self.worker_id)
         if job.get("cancel") == "1":
-            return end_write(job_id, d, CancelledEvent(seq=next_seq), self.worker_id)
+            return finish(job_id, d, CancelledEvent(seq=next_seq), self.worker_id)
         if attempts >= self.settings.max_attempts:
             message = f"delivered {attempts + 1} times, more than max_attempts={self.settings.max_attempts}"
             return self._dead_letter(next_seq, d, ErrorCode.MAX_ATTEMPTS_EXCEEDED, message, attempts, job_id)
@@ -287,11 +233,11 @@ class Consumer:
         ttl = request.ttl_s or self.settings.job_ttl_s
         if started_at is None and now > request.created_at + ttl:
             message = f"waited {now - request.created_at:.1f}s in the queue, more than ttl_s={ttl:g}"
-            return end_write(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.TTL_EXPIRED, message=message), self.worker_id)
+            return finish(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.TTL_EXPIRED, message=message), self.worker_id)
         timeout = request.timeout_s or self.settings.job_timeout_s
         if started_at is not None and now > started_at + timeout:
             message = f"ran longer than timeout_s={timeout:g}"
-            return end_write(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.EXECUTION_TIMEOUT, message=message),
+            return finish(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.EXECUTION_TIMEOUT, message=message),
                              self.worker_id)
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         resume = Resume(
@@ -309,12 +255,13 @@ class Consumer:
         def build():
             pipe = self.client.pipeline(transaction=False)
             for _, js in starts:
-                started = encode_event(StartedEvent(seq=0, worker_id=self.worker_id, attempt=js.attempts))
-                args = [self.worker_id, repr(js.started_at), self.keys.channel(js.job_id), started[len('{"seq":0'):]]
+                started = event_json_tail(StartedEvent(seq=0, worker_id=self.worker_id, attempt=js.attempts))
+                args = [TERMINAL_STATES_ARG, JobState.running.value, self.worker_id, repr(js.started_at),
+                        self.keys.channel(js.job_id), started]
                 lua.add(pipe, self._start, [self.keys.job(js.job_id), self.keys.events(js.job_id)], args)
             return pipe
 
-        answers = _raise_errors(lua.execute(build, [self._start]))
+        answers = lua.raise_errors(lua.execute(build, [self._start]))
         ok: list[JobStart] = []
         again: list[Delivery] = []
         for (c, js), attempts in zip(starts, answers, strict=True):
@@ -330,7 +277,7 @@ class Consumer:
         return ok, writes
 
     def _dead_letter(self, seq: int | None, d: Delivery, code: str, message: str, attempts: int,
-                     job_id: str | None = None) -> JobWrite:
+                     job_id: str | None = None) -> Finish | Discard:
         """Fail the job (when it exists: `seq` is its next event) and park the entry in {p}:dlq."""
         entry = {
             "job_id": job_id or "",
@@ -345,23 +292,10 @@ class Consumer:
         }
         log.warning("dead-lettered", extra={"job_id": job_id, "code": code, "entry_id": d.entry_id})
         if seq is None:
-            return JobWrite(None, d, terminal=True, dead_letter=entry)
-        write = end_write(job_id, d, FailedEvent(seq=seq, code=code, message=message), self.worker_id)
+            return Discard(d, dead_letter=entry)
+        write = finish(job_id, d, FailedEvent(seq=seq, code=code, message=message), self.worker_id)
         write.dead_letter = entry
         return write
-
-
-def _pairs_to_dict(fields: list | None) -> dict[str, str]:
-    """A stream entry's flat [field, value, ...] list (as a script returns it) as a dict."""
-    fields = fields or []
-    return dict(zip(fields[::2], fields[1::2], strict=True))
-
-
-def _raise_errors(results: list) -> list:
-    for result in results:
-        if isinstance(result, Exception):
-            raise result
-    return results
 
 
 def _validation_summary(exc: ValidationError) -> str:

@@ -26,14 +26,16 @@ import time
 
 import redis
 
-from worker.protocol.keys import Keys
+from worker.protocol import Keys
 from worker.serve import jsonlog
 from worker.serve.health import serve
 from worker.serve.intake import Consumer
 from worker.serve.metrics import WorkerMetrics
-from worker.serve.publisher import Delivery, JobWrite, Publisher, PublisherThread
+from worker.serve.publisher import Publisher, PublisherThread
 from worker.serve.retry import UNAVAILABLE, Stopped, call_with_backoff
 from worker.serve.settings import WorkerSettings
+from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, ends_job
+from worker.snapshots.stats import SnapshotCollector, SnapshotStats
 
 log = logging.getLogger("ferry.worker")
 
@@ -60,6 +62,9 @@ class Worker:
         self._ready = False
         self.engine = None
         self.runner = None
+        self.snapshots = None  # SnapshotKeeper when FERRY_SNAPSHOT_URL is set
+        self.snapshot_stats = SnapshotStats()  # ferry_snapshot_* (all zero without a snapshot URL)
+        self.metrics.registry.register(SnapshotCollector(lambda: self.snapshot_stats))
         self._intake_thread: threading.Thread | None = None
         self.fingerprint = ""
         self.consumer = Consumer(self.client, self.keys, settings, self.worker_id)
@@ -82,7 +87,7 @@ class Worker:
             self._start_threads()
             self._ready = True
             self.metrics.ready.set(1)
-            log.info("worker ready", extra={"model": self.model, "max_num_seqs": self.settings.max_num_seqs})
+            log.info("worker ready", extra={"model": self.model, "max_num_seqs": self.settings.engine.max_num_seqs})
             self._wait_until_drain()
             return self._drain()
         except Stopped:
@@ -103,19 +108,25 @@ class Worker:
         import torch
 
         from worker.engine import Engine
-        from worker.serve.engine_loop import JobRunner
-        from worker.snapshots.snapshot import SnapshotCollector, fingerprint
+        from worker.serve.engine_loop import EngineLoop
+        from worker.serve.snapshot_keeper import SnapshotKeeper
+        from worker.snapshots import fingerprint
 
-        if self.settings.torch_threads:
-            torch.set_num_threads(self.settings.torch_threads)
+        s = self.settings
+        if s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
         started = time.monotonic()
-        self.engine = Engine(self.settings.model, **self.settings.engine_kwargs())  # restores the snapshot, if any
+        self.engine = Engine.from_config(s.engine)
+        idle_task = None
+        if s.snapshot_url:
+            self.snapshots = SnapshotKeeper(self.engine, s.snapshot_url, s.snapshot_interval_s, s.snapshot_max_bytes,
+                                            s.snapshot_keep, self.snapshot_stats, s.s3_endpoint_url)
+            self.snapshots.restore()
+            idle_task = self.snapshots.save_if_due
         self.fingerprint = fingerprint(self.engine)
-        self.metrics.registry.register(SnapshotCollector(lambda: self.engine.snapshot_stats))
         log.info("engine loaded", extra={"model": self.model, "seconds": round(time.monotonic() - started, 2),
                                          "fingerprint": self.fingerprint})
-        snapshot_every = self.settings.snapshot_interval_s if self.settings.snapshot_url else None
-        self.runner = JobRunner(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, snapshot_every)
+        self.runner = EngineLoop(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, idle_task)
 
     def _start_threads(self) -> None:
         self.runner.thread.start()
@@ -171,16 +182,8 @@ class Worker:
 
     def _save_snapshot(self) -> None:
         """Save the prefix cache on the way out (the engine thread has stopped: safe to touch the engine)."""
-        if not self.settings.snapshot_url:
-            return
-        started = time.monotonic()
-        try:
-            info = self.engine.save_snapshot()
-        except Exception:
-            log.exception("snapshot failed", extra={"url": self.settings.snapshot_url})
-            return
-        log.info("snapshot saved", extra={"url": self.settings.snapshot_url, "blocks": info.blocks if info else 0,
-                                          "seconds": round(time.monotonic() - started, 2)})
+        if self.snapshots is not None:
+            self.snapshots.save_now()
 
     def _backoff(self, what: str, stop: threading.Event, fn, *args):
         """fn(*args), retried while Redis is unreachable (raises Stopped once `stop` is set)."""
@@ -193,7 +196,7 @@ class Worker:
         stats = self.runner.stats
         if stats is not None and stats.num_waiting > 0:
             return 0  # the engine is short of KV: let the queue hold the work
-        return self.settings.max_num_seqs - len(self.leases)
+        return self.settings.engine.max_num_seqs - len(self.leases)
 
     def _intake(self) -> None:
         s = self.settings
@@ -250,14 +253,14 @@ class Worker:
         """Decide and start `deliveries`; ends by telling the engine they all arrived (started or settled)."""
         if self.draining.is_set():
             # Read after the drain began: give them straight back (another worker takes them now).
-            self.publisher.write([JobWrite(d.fields["job_id"], d, hand_back=True) for d in deliveries if d.fields.get("job_id")])
+            self.publisher.write([HandBack(d.fields["job_id"], d) for d in deliveries if d.fields.get("job_id")])
             self.runner.start([], arrived=len(deliveries))
             return
         fresh, duplicates = [], []
         for d in deliveries:
             (duplicates if d.fields.get("job_id") in self.leases else fresh).append(d)
         starts, writes = self.consumer.prepare(fresh)
-        writes += [JobWrite(None, d, terminal=True) for d in duplicates]  # a second entry for a job running here
+        writes += [Discard(d) for d in duplicates]  # a second entry for a job running here
         if writes:
             self._on_written(writes, self.publisher.write(writes))
         for job in starts:
@@ -277,9 +280,9 @@ class Worker:
         lost, cancelled = self.consumer.renew(held)
         for job_id in lost:
             self._release(job_id)
-            self.runner.abort(job_id, "lost")
+            self.runner.abort(job_id, lost=True)
         for job_id in cancelled - lost:
-            self.runner.abort(job_id, "cancelled")
+            self.runner.abort(job_id)
 
     def _release(self, job_id: str) -> None:
         with self._leases_lock:
@@ -289,21 +292,19 @@ class Worker:
     def _on_written(self, writes: list[JobWrite], lost: set[str]) -> None:
         """Called once writes reached Redis: ended and handed-back jobs free their slot."""
         for w in writes:
-            if w.job_id in lost:
+            if not ends_job(w) or w.job_id in lost:
                 continue
-            if w.terminal and w.result is not None:
-                state = w.result["state"]
-                self.metrics.jobs.labels(state).inc()
-                log.info("job finished", extra={"job_id": w.job_id, "state": state, "code": w.result.get("error_code")})
-            if w.hand_back:
+            if isinstance(w, Finish):
+                self.metrics.jobs.labels(w.state).inc()
+                log.info("job finished", extra={"job_id": w.job_id, "state": w.state, "code": w.result.get("error_code")})
+            else:
                 self.metrics.handed_back.inc()
                 log.info("job handed back", extra={"job_id": w.job_id})
-            if (w.terminal or w.hand_back) and w.job_id is not None:
-                self._release(w.job_id)
+            self._release(w.job_id)
         for job_id in lost:
             log.warning("job lost to another worker", extra={"job_id": job_id})
             self._release(job_id)
-            self.runner.abort(job_id, "lost")
+            self.runner.abort(job_id, lost=True)
 
     # --- side threads ---------------------------------------------------------------------------
 
@@ -318,7 +319,7 @@ class Worker:
                     message = pubsub.get_message(timeout=0.5)
                     if message and message["data"] in self.leases:
                         log.info("cancel requested", extra={"job_id": message["data"]})
-                        self.runner.abort(message["data"], "cancelled")
+                        self.runner.abort(message["data"])
             except UNAVAILABLE:
                 self.stop.wait(delay)  # cancels missed meanwhile are caught by the lease renewal's flag check
                 delay = min(self.settings.redis_backoff_max_s, delay * 2)
@@ -333,11 +334,11 @@ class Worker:
             beat = {
                 "model": self.model,
                 "fingerprint": self.fingerprint,
-                "load": f"{len(self.leases) / s.max_num_seqs:.3f}",
+                "load": f"{len(self.leases) / s.engine.max_num_seqs:.3f}",
                 "jobs": str(len(self.leases)),
                 "running": str(stats.num_running if stats else 0),
                 "waiting": str(stats.num_waiting if stats else 0),
-                "max_num_seqs": str(s.max_num_seqs),
+                "max_num_seqs": str(s.engine.max_num_seqs),
                 "state": "draining" if self.draining.is_set() else "ready",
                 "ts": repr(now),
             }
@@ -379,8 +380,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    settings = WorkerSettings(**{k: v for k, v in vars(args).items() if v is not None})
+    args = vars(_parse(argv))
+    given = {k: v for k, v in args.items() if v is not None}
+    engine = {k: given.pop(k) for k in ("model", "dtype", "max_num_seqs") if k in given}
+    settings = WorkerSettings(**given, **({"engine": engine} if engine else {}))
     worker = Worker(settings)
     jsonlog.configure(worker.worker_id)
     return worker.run()

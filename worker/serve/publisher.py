@@ -1,12 +1,12 @@
 """Everything the worker writes about jobs, one pipelined round trip per batch.
 
-After each engine step the engine thread hands over one `JobWrite` per job that produced
-something; the publisher thread sends all pending writes in a single pipeline: per job one
-`emit` script call that appends the events to `{p}:job:{id}:events` (entry id `{seq}-1`),
-publishes each on `{p}:job:{id}`, and, when the job ends, writes the result into the job hash,
-sets the expiries and only then XACKs and XDELs the queue entry. Scripts make each job's write
-atomic: either all of it lands or none, so a re-delivered job never sees events without the
-state that goes with them.
+After each engine step the engine thread hands over the step's writes (`worker.serve.writes`);
+the publisher thread sends all pending writes in a single pipeline, one script call per job
+(`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{id}:events` (entry id
+`{seq}-1`), publishes each on `{p}:job:{id}`, and, when the job ends, writes the result into the
+job hash, sets the expiries and only then XACKs and XDELs the queue entry. Scripts make each
+job's write atomic: either all of it lands or none, so a re-delivered job never sees events
+without the state that goes with them.
 
 Seq fencing: Redis refuses an event whose seq already exists. A worker that finds another
 worker's event at its next seq has lost the job (it was reclaimed during a stall) and stops
@@ -19,97 +19,15 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import redis
 
-from worker.protocol import lua
-from worker.protocol.jobs import STATE_AFTER_EVENT, FailedEvent, TimedOutEvent, event_to_fields
-from worker.protocol.keys import PRIORITIES, Keys
+from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
+from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.serve.retry import Stopped, call_with_backoff
+from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Progress
 
-log = logging.getLogger("ferry.worker.serve.publisher")
-
-# KEYS[1] events stream, KEYS[2] job hash (also the name of the job's pub/sub channel)
-#   [, KEYS[3] queue stream: the job ends with this write]
-# ARGV[1] first_token_at or '', ARGV[2] number of events n, n x (seq, type, data),
-# then, when the job ends: result ttl, group, entry id, job hash field/value pairs...
-_EMIT_LUA = """
-local n = tonumber(ARGV[2])
-local i = 3
-for _ = 1, n do
-  local seq, kind, data = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local added = redis.pcall('XADD', KEYS[1], seq .. '-1', 'seq', seq, 'type', kind, 'data', data)
-  if type(added) == 'table' and added.err then
-    local have = redis.call('XRANGE', KEYS[1], seq .. '-1', seq .. '-1')
-    if #have == 0 or have[1][2][6] ~= data then return 0 end
-  else
-    redis.call('PUBLISH', KEYS[2], data)
-  end
-  i = i + 3
-end
-if ARGV[1] ~= '' then redis.call('HSETNX', KEYS[2], 'first_token_at', ARGV[1]) end
-if #KEYS == 3 then
-  if #ARGV > i + 2 then redis.call('HSET', KEYS[2], unpack(ARGV, i + 3)) end
-  redis.call('EXPIRE', KEYS[1], ARGV[i])
-  redis.call('EXPIRE', KEYS[2], ARGV[i])
-  redis.call('XACK', KEYS[3], ARGV[i + 1], ARGV[i + 2])
-  redis.call('XDEL', KEYS[3], ARGV[i + 2])
-end
-return 1
-"""
-
-# Hand a job back to the queue so any worker takes it now, not after the lease runs out.
-# KEYS[1] queue stream holding the entry, KEYS[2] stream to re-add it to, KEYS[3] job hash
-# ARGV: group, entry id, this worker's consumer name, job id, next envelope attempt,
-#       attempts to record ('' for a job that never started here: its hash is left alone)
-_HAND_BACK_LUA = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-local state = redis.call('HGET', KEYS[3], 'state')
-if state == 'queued' or state == 'running' then
-  if ARGV[6] ~= '' then redis.call('HSET', KEYS[3], 'state', 'queued', 'attempts', ARGV[6]) end
-  redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[4], 'attempt', ARGV[5])
-end
-return 1
-"""
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One queue entry this worker holds (pending under its consumer name)."""
-
-    stream: str  # the queue stream the entry is in
-    entry_id: str
-    fields: dict[str, str]  # the raw envelope
-    reclaimed: bool = False  # taken over from another worker by the reaper
-
-
-@dataclass(slots=True)
-class JobWrite:
-    """What to write for one job (or one bad envelope) in the next round trip."""
-
-    job_id: str | None  # None: an envelope without a usable job id (only dead-letter + ack)
-    delivery: Delivery | None  # the queue entry to ACK when the job ends or is handed back
-    events: list = field(default_factory=list)  # protocol events, consecutive seqs
-    first_token_at: float | None = None  # set once on the job hash (HSETNX), survives retries
-    result: dict[str, str] | None = None  # job hash fields written when the job ends
-    terminal: bool = False  # the job ends with this write: expire, ACK, XDEL
-    hand_back: bool = False  # re-queue at once instead of ACK: a started job on the high stream, else its own
-    attempts: int | None = None  # on hand-back of a started job: the attempts to record in its hash
-    dead_letter: dict[str, str] | None = None  # an entry for {p}:dlq
-
-
-def end_write(job_id: str, delivery: Delivery, event, worker_id: str, result: dict[str, str] | None = None,
-              events_before: list | None = None) -> JobWrite:
-    """The write that ends a job with terminal `event` (after `events_before`, e.g. the last tokens)."""
-    fields = {"state": STATE_AFTER_EVENT[event.type].value, "finished_at": repr(event.ts), "worker_id": worker_id}
-    if isinstance(event, FailedEvent | TimedOutEvent):
-        fields |= {"error_code": event.code, "error_message": event.message}
-    fields |= result or {}
-    return JobWrite(job_id, delivery, events=[*(events_before or []), event], result=fields, terminal=True)
+log = logging.getLogger("ferry.worker.publisher")
 
 
 class Publisher:
@@ -121,8 +39,8 @@ class Publisher:
         self.model = model
         self.worker_id = worker_id
         self.result_ttl_s = int(result_ttl_s)
-        self._emit = client.register_script(_EMIT_LUA)
-        self._hand_back = client.register_script(_HAND_BACK_LUA)
+        self._emit = client.register_script(lua.EMIT)
+        self._hand_back = client.register_script(lua.HAND_BACK)
 
     def write(self, writes: list[JobWrite]) -> set[str]:
         """One pipelined round trip for all `writes`; returns the ids of jobs found lost to another worker."""
@@ -132,16 +50,16 @@ class Publisher:
             answers.clear()
             pipe = self.client.pipeline(transaction=False)
             for w in writes:
-                if w.dead_letter is not None:
+                if isinstance(w, Finish | Discard) and w.dead_letter is not None:
                     pipe.xadd(self.keys.dlq, w.dead_letter)
                     answers.append(None)
-                if w.job_id is not None and (w.events or w.first_token_at is not None or w.terminal):
+                if isinstance(w, Progress | Finish) or (isinstance(w, HandBack) and w.events):
                     self._add_emit(pipe, w)
                     answers.append(w.job_id)
-                if w.hand_back:
+                if isinstance(w, HandBack):
                     self._add_hand_back(pipe, w)
                     answers.append(None)
-                elif w.terminal and w.delivery is not None and w.job_id is None:
+                elif isinstance(w, Discard):
                     self._add_ack(pipe, w.delivery)
                     answers.extend([None, None])
             return pipe
@@ -157,26 +75,28 @@ class Publisher:
                 lost.add(job_id)
         return lost
 
-    def _add_emit(self, pipe, w: JobWrite) -> None:
+    def _add_emit(self, pipe, w: Progress | Finish | HandBack) -> None:
         keys = [self.keys.events(w.job_id), self.keys.job(w.job_id)]
-        args: list = ["" if w.first_token_at is None else repr(w.first_token_at), len(w.events)]
+        first_token_at = w.first_token_at if isinstance(w, Progress) else None
+        args: list = ["" if first_token_at is None else repr(first_token_at), len(w.events)]
         for event in w.events:
             f = event_to_fields(event)
             args += [f["seq"], f["type"], f["data"]]
-        if w.terminal and w.delivery is not None:
+        if isinstance(w, Finish):
             keys.append(w.delivery.stream)
             args += [self.result_ttl_s, self.keys.group, w.delivery.entry_id]
-            for name, value in (w.result or {}).items():
+            for name, value in w.result.items():
                 args += [name, value]
         lua.add(pipe, self._emit, keys, args)
 
-    def _add_hand_back(self, pipe, w: JobWrite) -> None:
+    def _add_hand_back(self, pipe, w: HandBack) -> None:
         d = w.delivery
         attempt = int(d.fields.get("attempt", "1") or 1) + 1
         started = w.attempts is not None
         target = self.keys.queue(self.model, PRIORITIES[0]) if started else d.stream
         keys = [d.stream, target, self.keys.job(w.job_id)]
-        args = [self.keys.group, d.entry_id, self.worker_id, w.job_id, attempt, w.attempts if started else ""]
+        args = [TERMINAL_STATES_ARG, JobState.queued.value, self.keys.group, d.entry_id, self.worker_id,
+                w.attempts if started else "", *Envelope(job_id=w.job_id, attempt=attempt).to_args()]
         lua.add(pipe, self._hand_back, keys, args)
 
     def _add_ack(self, pipe, d: Delivery) -> None:

@@ -1,60 +1,75 @@
 """Worker process settings: environment variables `FERRY_*` (pydantic-settings).
 
-Only the process edge reads the environment; the engine takes the `EngineConfig` dataclass
-built from these settings by `engine_kwargs()`.
+Only the process edge reads the environment. The engine's own settings are not re-declared
+here: `engine` is the engine's `EngineConfig` itself, so each default and each check is written
+once. Its fields keep their flat variable names: `FERRY_<FIELD>` for every `EngineConfig`
+field (`FERRY_MODEL`, `FERRY_DTYPE`, `FERRY_MAX_NUM_SEQS`, ...), and `FERRY_SPECULATIVE_<FIELD>`
+for the speculative config (`FERRY_SPECULATIVE_METHOD`, `FERRY_SPECULATIVE_NUM_SPECULATIVE_TOKENS`,
+..., with the shorter `_NUM_TOKENS`, `_NGRAM_MAX` and `_NGRAM_MIN` as well).
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from worker.engine.config import EngineConfig, SpeculativeConfig
 
 # The code model trained by models/train.py and shipped in the repository (models/README.md).
 SHIPPED_DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "demo")
+DEFAULT_MODEL = SHIPPED_DEMO_MODEL
+
+_PREFIX = "FERRY_"
+# Shorter names of speculative settings, kept from earlier releases.
+_SPECULATIVE_ALIASES = {
+    "NUM_TOKENS": "num_speculative_tokens",
+    "NGRAM_MAX": "prompt_lookup_max",
+    "NGRAM_MIN": "prompt_lookup_min",
+}
 
 
-def _env(field: str, engine_key: str) -> AliasChoices:
-    """The field's own name (code), its FERRY_ variable, and FERRY_SPECULATIVE_<the engine key>."""
-    return AliasChoices(field, f"FERRY_{field.upper()}", f"FERRY_SPECULATIVE_{engine_key.upper()}")
+class _EngineEnvironment(PydanticBaseSettingsSource):
+    """`FERRY_<FIELD>` and `FERRY_SPECULATIVE_<FIELD>` variables, nested into `engine`. Speculation
+    is configured only when FERRY_SPECULATIVE_METHOD is set."""
+
+    def get_field_value(self, field, field_name):  # unused: __call__ builds the whole value
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        env = {name.upper(): value for name, value in os.environ.items() if name.upper().startswith(_PREFIX)}
+        engine = {f.name: env[f"{_PREFIX}{f.name.upper()}"] for f in fields(EngineConfig)
+                  if f.name != "speculative" and f"{_PREFIX}{f.name.upper()}" in env}
+        spec_prefix = f"{_PREFIX}SPECULATIVE_"
+        spec_names = {f.name.upper(): f.name for f in fields(SpeculativeConfig)} | _SPECULATIVE_ALIASES
+        speculative = {spec_names[name[len(spec_prefix):]]: value for name, value in env.items()
+                       if name.startswith(spec_prefix) and name[len(spec_prefix):] in spec_names and value != ""}
+        if "method" in speculative:
+            engine["speculative"] = speculative
+        return {"engine": engine} if engine else {}
 
 
 class WorkerSettings(BaseSettings):
-    # populate_by_name: fields with alternative environment names still take their own name in code.
-    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
+
+    # The engine: model, dtype, batch limits, KV pool, speculation (worker.engine.config).
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(model=DEFAULT_MODEL))
+    model_name: str | None = None  # served name; default: the model directory's name
 
     # Redis and naming
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "ferry"  # every Redis key and channel lives under this prefix
     worker_id: str | None = None  # default: hostname-pid
 
-    # Model and engine
-    model: str = SHIPPED_DEMO_MODEL  # local directory or a hub id already in the local cache
-    model_name: str | None = None  # served name; default: the model directory's name
-    dtype: str = "float32"
-    device: str | None = None  # default: cuda when available, else cpu
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # default: a share of free device memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    # Speculative decoding (worker.engine.config.SpeculativeConfig). The engine config's own key
-    # names are accepted too: FERRY_SPECULATIVE_NUM_SPECULATIVE_TOKENS, _PROMPT_LOOKUP_MAX/_MIN.
-    speculative_method: str | None = None  # "ngram" | "draft"; unset: no speculation
-    speculative_num_tokens: int = Field(4, validation_alias=_env("speculative_num_tokens", "num_speculative_tokens"))
-    speculative_ngram_max: int = Field(4, validation_alias=_env("speculative_ngram_max", "prompt_lookup_max"))
-    speculative_ngram_min: int = Field(1, validation_alias=_env("speculative_ngram_min", "prompt_lookup_min"))
-    speculative_draft_model: str | None = None
-    speculative_measure_speedup: bool = True  # the governor: propose only while it measurably pays
-    speculative_disable_by_batch_size: int | None = None  # no proposals while this many requests run
-
     # Snapshots of the prefix cache
     snapshot_url: str | None = None  # file:///dir or s3://bucket/prefix
     snapshot_interval_s: float = 600.0
-    snapshot_keep: int = 3
-    snapshot_max_bytes: int = 1 << 30
+    snapshot_keep: int = Field(3, ge=1)
+    snapshot_max_bytes: int = Field(1 << 30, gt=0)
     s3_endpoint_url: str | None = None
 
     # Process behaviour
@@ -78,43 +93,31 @@ class WorkerSettings(BaseSettings):
     result_ttl_s: int = 86400  # how long a finished job's hash and event stream are kept
     queue_maxlen: int = 100_000
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return init_settings, _EngineEnvironment(settings_cls), env_settings, dotenv_settings, file_secret_settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_model(cls, data: Any) -> Any:
+        """A partial engine config (say only FERRY_DTYPE) still serves the default model."""
+        if isinstance(data, dict) and isinstance(data.get("engine"), dict) and "model" not in data["engine"]:
+            data = {**data, "engine": {**data["engine"], "model": DEFAULT_MODEL}}
+        return data
+
+    @classmethod
+    def variable_names(cls) -> set[str]:
+        """Every environment variable these settings read."""
+        own = {f"{_PREFIX}{name.upper()}" for name in cls.model_fields if name != "engine"}
+        engine = {f"{_PREFIX}{f.name.upper()}" for f in fields(EngineConfig) if f.name != "speculative"}
+        spec_names = [f.name.upper() for f in fields(SpeculativeConfig)] + list(_SPECULATIVE_ALIASES)
+        return own | engine | {f"{_PREFIX}SPECULATIVE_{name}" for name in spec_names}
+
     @property
     def served_model_name(self) -> str:
-        return self.model_name or Path(self.model.rstrip("/")).name
+        return self.model_name or Path(self.engine.model.rstrip("/")).name
 
     @property
     def lease_renew_interval_s(self) -> float:
         return self.lease_renew_s or self.lease_s / 3
-
-    def engine_kwargs(self) -> dict:
-        """Keyword arguments for `Engine(self.model, **kwargs)`."""
-        return {
-            "dtype": self.dtype,
-            "block_size": self.block_size,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "device": self.device,
-            "snapshot_url": self.snapshot_url,
-            "snapshot_max_bytes": self.snapshot_max_bytes,
-            "snapshot_keep": self.snapshot_keep,
-            "speculative": self.speculative(),
-        }
-
-    def speculative(self) -> dict | None:
-        """`Engine(speculative=...)` from FERRY_SPECULATIVE_*; None leaves speculation off."""
-        if not self.speculative_method:
-            return None
-        spec = {
-            "method": self.speculative_method,
-            "num_speculative_tokens": self.speculative_num_tokens,
-            "measure_speedup": self.speculative_measure_speedup,
-            "disable_by_batch_size": self.speculative_disable_by_batch_size,
-        }
-        if self.speculative_method == "ngram":
-            spec |= {"prompt_lookup_max": self.speculative_ngram_max, "prompt_lookup_min": self.speculative_ngram_min}
-        else:
-            spec["draft_model"] = self.speculative_draft_model
-        return spec

@@ -1,0 +1,82 @@
+"""What the worker writes about jobs: one small type per kind of write, handed to the publisher.
+
+The engine loop and the intake decide; the publisher (`worker.serve.publisher`) writes each kind
+with one script call in the next round trip:
+
+- `Progress`: a running job's new events (tokens), and its first-token time;
+- `Finish`: a job ends: its last events, the terminal event, the result fields of its hash, the
+  expiries, then the ACK of its queue entry (and an entry in `{p}:dlq` for a dead-lettered job);
+- `HandBack`: a job goes back to the queue for any worker to take now (a drain);
+- `Discard`: a queue entry with no job to run (malformed, or a duplicate of a job already running
+  here, or already settled): ACK it, dead-lettering it when it is malformed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from worker.protocol import STATE_AFTER_EVENT, FailedEvent, TimedOutEvent
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One queue entry this worker holds (pending under its consumer name)."""
+
+    stream: str  # the queue stream the entry is in
+    entry_id: str
+    fields: dict[str, str]  # the raw envelope
+    reclaimed: bool = False  # taken over from another worker by the reaper
+
+
+@dataclass(slots=True)
+class Progress:
+    job_id: str
+    events: list[BaseModel]  # protocol events with consecutive seqs
+    first_token_at: float | None = None  # set once on the job hash (HSETNX), survives retries
+
+
+@dataclass(slots=True)
+class Finish:
+    job_id: str
+    delivery: Delivery  # the queue entry to ACK once the result is written
+    events: list[BaseModel]  # the job's last events, ending with its terminal event
+    result: dict[str, str]  # job hash fields: state, finished_at, the result or the error
+    dead_letter: dict[str, str] | None = None  # an entry for {p}:dlq
+
+    @property
+    def state(self) -> str:
+        return self.result["state"]
+
+
+@dataclass(slots=True)
+class HandBack:
+    job_id: str
+    delivery: Delivery
+    events: list[BaseModel] = field(default_factory=list)  # events produced since the last write
+    attempts: int | None = None  # a started job's attempts to record (it goes to the high stream); None: not started
+
+
+@dataclass(slots=True)
+class Discard:
+    delivery: Delivery
+    dead_letter: dict[str, str] | None = None
+
+
+JobWrite = Progress | Finish | HandBack | Discard
+
+
+def finish(job_id: str, delivery: Delivery, event: BaseModel, worker_id: str, result: dict[str, str] | None = None,
+           events_before: list[BaseModel] | None = None) -> Finish:
+    """The write that ends a job with terminal `event` (after `events_before`, e.g. the last tokens)."""
+    fields = {"state": STATE_AFTER_EVENT[event.type].value, "finished_at": repr(event.ts), "worker_id": worker_id}
+    if isinstance(event, FailedEvent | TimedOutEvent):
+        fields |= {"error_code": event.code, "error_message": event.message}
+    fields |= result or {}
+    return Finish(job_id, delivery, [*(events_before or []), event], fields)
+
+
+def ends_job(write: JobWrite) -> bool:
+    """Whether the job leaves this worker with the write (its slot frees once it is written)."""
+    return isinstance(write, Finish | HandBack)
