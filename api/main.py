@@ -19,7 +19,7 @@ from api.routes import health, jobs, openai
 from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
-from worker.keys import Keys
+from worker.protocol import Keys
 
 log = logging.getLogger("ferry.api")
 

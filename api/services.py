@@ -19,8 +19,8 @@ from api.auth import KeyRing
 from api.errors import ApiError, not_found
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
-from worker.keys import Keys, watch_value
-from worker.protocol import EnqueueResult, JobRecord, JobRequest, enqueue_job_async
+from worker.protocol import EnqueueResult, JobRecord, JobRequest, Keys, enqueue_job_async
+from worker.protocol.keys import watch_value
 
 MODEL_CACHE_S = 1.0
 

@@ -1,7 +1,7 @@
 """Following a job's events: replay the durable stream, then live pub/sub, once each, in order.
 
 A job's events are numbered by `seq` without gaps and stored in `{p}:job:{id}:events` with
-entry id `{seq}-1` (worker/protocol.py). A follower subscribes first, then replays the stream
+entry id `{seq}-1` (worker/protocol/jobs.py). A follower subscribes first, then replays the stream
 after the last seq it has, then takes live messages, dropping any seq it already has and going
 back to the stream when it sees a gap or the pub/sub connection was lost. So a client that
 connects before, during or after the run, or resumes with `Last-Event-ID`, sees every event
@@ -22,8 +22,7 @@ import anyio
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from worker.keys import Keys
-from worker.protocol import TERMINAL_EVENT_TYPES, Event, decode_event, event_from_fields
+from worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields
 
 log = logging.getLogger("ferry.api")
 

@@ -1,6 +1,6 @@
 """Read what the autoscaler decides on from Redis: per-model lag, pending and live workers.
 
-Key names come from `worker/keys.py`: the model's streams `{prefix}:q:{model}:{priority}` read
+Key names come from `worker/protocol/keys.py`: the model's streams `{prefix}:q:{model}:{priority}` read
 by the consumer group `workers`, and the heartbeats — `{prefix}:workers` (worker id -> time of
 its last heartbeat) and `{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
 """
@@ -12,7 +12,7 @@ from collections import Counter
 import redis
 
 from infra.autoscaler.policy import Observation
-from worker.keys import GROUP, Keys
+from worker.protocol import GROUP, Keys
 
 LAG_SCAN_CAP = 10_000  # most entries counted one by one when Redis cannot report the lag
 HEARTBEAT_HORIZON_S = 600  # workers not seen for this long are not even looked up

@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import KEY_B
-from worker.protocol.jobs import JobRequest, enqueue_job
-from worker.protocol.keys import Keys
+from worker.protocol import JobRequest, Keys, enqueue_job
 
 pytestmark = pytest.mark.redis
 

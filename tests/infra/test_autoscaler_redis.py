@@ -17,7 +17,7 @@ from infra.autoscaler.loop import AutoscaleLoop, read_recording, replay
 from infra.autoscaler.policy import ScalePolicy
 from infra.autoscaler.publish import PrometheusGauges
 from infra.autoscaler.redis_source import RedisBacklog
-from worker.protocol.keys import GROUP, Keys
+from worker.protocol import GROUP, Keys
 
 pytestmark = pytest.mark.redis
 

@@ -1,0 +1,167 @@
+"""The code's shape: no import cycle anywhere, dependencies pointing one way, a torch-free API.
+
+Imports are read with `ast` from every module of worker/, api/ and kernels/ (module level and
+inside functions alike: a lazy import is still a dependency). An edge goes to the most specific
+project module an import names; a package's own `__init__` re-exporting its submodules is not a
+cycle, so the implicit import of parent packages is not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = ("worker", "api", "kernels")
+
+# Package -> the project packages it may import (its own always). The direction of the layers:
+# api -> worker.protocol; worker.serve -> engine, snapshots, protocol; snapshots -> engine;
+# engine -> models, kernels (and the sampling limits of the wire); kernels -> nothing of ours.
+ALLOWED = {
+    "kernels": set(),
+    "worker.models": {"kernels"},
+    "worker.engine": {"worker.models", "kernels", "worker.protocol.sampling"},
+    "worker.protocol": set(),
+    "worker.snapshots": {"worker.engine", "worker.models"},
+    "worker.serve": {"worker.engine", "worker.snapshots", "worker.protocol", "worker.models"},
+    "worker.webhooks": {"worker.protocol"},
+    "api": {"worker.protocol"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for root in ROOTS:
+        for path in (REPO / root).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The most specific project module `name` (a dotted import path) names, if any."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` names the submodule when there is one.
+            targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names)
+    return {t for t in (_resolve(name) for name in targets) if t is not None and t != module}
+
+
+GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = iter(range(1 << 30))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _layer(module: str) -> str | None:
+    return next((p for p in sorted(ALLOWED, key=len, reverse=True) if module == p or module.startswith(p + ".")), None)
+
+
+def test_the_graph_sees_every_package():
+    assert {"worker.engine.engine", "worker.serve.main", "api.main", "kernels", "worker.protocol.jobs"} <= set(GRAPH)
+    assert "worker.engine.kv_cache" in GRAPH["worker.engine.scheduler"]
+
+
+def test_no_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_dependencies_point_one_way(layer):
+    wrong = []
+    for module, targets in GRAPH.items():
+        if _layer(module) != layer:
+            continue
+        for target in targets:
+            allowed = {layer} | ALLOWED[layer]
+            if not any(target == a or target.startswith(a + ".") for a in allowed):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("module", ["api.main", "worker.protocol"])
+def test_the_api_and_the_wire_never_import_torch(module):
+    code = f"import sys, {module}; sys.exit(3 if 'torch' in sys.modules else 0)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr or f"importing {module} imported torch"
+
+
+def _third_party(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ROOTS and n != "__future__"}
+
+
+def test_kernels_import_only_torch_and_triton():
+    # kernels.bench is the kernels' command-line benchmark (a progress bar), not code the engine imports.
+    used = {name for module, path in MODULES.items() if _layer(module) == "kernels" and module != "kernels.bench"
+            for name in _third_party(path)}
+    assert used <= {"torch", "triton"}, used
