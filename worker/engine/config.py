@@ -15,7 +15,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: tokens proposed per request per step
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up in the request's tokens
     prompt_lookup_min: int = 1  # ngram: shortest n-gram tried before giving up
-    draft_model: str | None = None  # draft: checkpoint directory (or cached hub id)
+    draft_model: str | None = None  # draft: checkpoint directory, .gguf file (or cached hub id)
     disable_by_batch_size: int | None = None  # no proposals while this many requests run (compute-bound steps)
     min_acceptance_rate: float = 0.2  # a request whose recent acceptance falls below this pauses proposing
     pause_steps: int = 16  # steps a request goes without proposals after poor acceptance
@@ -64,7 +64,7 @@ class SpeculativeConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str  # local directory, or a hub id already in the local cache
+    model: str  # HF checkpoint directory, .gguf file (or a directory holding one), or a hub id in the local cache
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's)
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV pool budget; default sized from the device and limits
@@ -77,10 +77,15 @@ class EngineConfig:
     model_salt: str | None = None  # prefix-cache namespace of this model (default: from its config)
     # Speculative decoding (see SpeculativeConfig; a dict of its fields is accepted too); None = off.
     speculative: SpeculativeConfig | None = None
+    # Where GGUF models are converted to HF checkpoints, once per file (<dir>/<sha256 prefix>/);
+    # a relative path is relative to the current directory
+    model_cache_dir: str = ".ferry/models"
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a local directory or a cached hub id")
+            raise ValueError("model must name a local directory, a .gguf file or a cached hub id")
+        if not self.model_cache_dir:
+            raise ValueError("model_cache_dir must name a directory (relative to the current one, or absolute)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -53,7 +53,7 @@ class Engine:
         """`model`: an HF directory or a cached hub id; `kwargs`: the other `EngineConfig` fields."""
         self.config = EngineConfig(model=str(model), **kwargs)
         cfg = self.config
-        self.model_dir = resolve_model_path(cfg.model)
+        self.model_dir = resolve_model_path(cfg.model, cfg.model_cache_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.arch = ModelArch.from_hf_config(hf_config)
         self.dtype = parse_dtype(cfg.dtype, getattr(hf_config, "dtype", None))
@@ -67,7 +67,10 @@ class Engine:
         spec = cfg.speculative
         draft = None
         if spec is not None and spec.method == "draft":
-            draft = load_draft(spec.draft_model, self.arch, self.tokenizer, self.dtype, self.device, self.max_model_len)
+            draft = load_draft(
+                spec.draft_model, self.arch, self.tokenizer, self.dtype, self.device, self.max_model_len,
+                cfg.model_cache_dir,
+            )
         self.block_size = cfg.block_size
         bytes_per_block = ModelRunner.bytes_per_block(self.arch, self.block_size, self.dtype)
         if draft is not None:  # the draft's KV pool mirrors the target's blocks, from the same budget

@@ -1,4 +1,5 @@
-"""Find a model directory and load its safetensors weights through one name-mapping table."""
+"""Find a model directory (converting a GGUF file into one) and load its safetensors weights through one
+name-mapping table."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from worker.models.config import ModelArch, rope_cos_sin_cache
+from worker.models.gguf_cache import converted_checkpoint
 from worker.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -30,16 +32,31 @@ DTYPES = {
 
 
 class ModelNotFoundError(ValueError):
-    """The model name is neither a local directory nor a hub id present in the local cache."""
+    """The model name is not a local checkpoint, GGUF file or hub id present in the local cache."""
 
 
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory as is; a hub id (`org/name`) from the local Hugging Face cache only."""
+def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
+    """The Hugging Face checkpoint directory to load for `model`:
+
+    - a `.gguf` file, or a directory holding exactly one `.gguf` and no config.json: its conversion
+      in `cache_dir` (made on first use, see gguf_cache.py);
+    - a local directory with config.json, as is;
+    - a hub id (`org/name`) from the local Hugging Face cache only."""
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} not found")
+        return converted_checkpoint(path.resolve(), Path(cache_dir).expanduser())
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"model directory {path} has no config.json")
-        return path.resolve()
+        if (path / "config.json").is_file():
+            return path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return converted_checkpoint(ggufs[0].resolve(), Path(cache_dir).expanduser())
+        if ggufs:
+            names = ", ".join(p.name for p in ggufs)
+            raise ModelNotFoundError(f"model directory {path} holds several GGUF files ({names}): name one of them")
+        raise ModelNotFoundError(f"model directory {path} has no config.json and no .gguf file")
     name = str(model)
     if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", name) and not path.exists():
         try:
@@ -55,7 +72,7 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
             return cached
     raise ModelNotFoundError(
         f"model {name!r} not found: give a local directory with config.json and safetensors weights, "
-        "or a hub id already in the local cache"
+        "a .gguf file, or a hub id already in the local cache"
     )
 
 

@@ -61,11 +61,17 @@ class NgramProposer:
 
 
 def load_draft(
-    directory: str, target: ModelArch, target_tokenizer, dtype: torch.dtype, device: torch.device, max_model_len: int
+    directory: str,
+    target: ModelArch,
+    target_tokenizer,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    cache_dir: str,
 ):
-    """Load a draft model for `target`; ValueError unless it shares the target's tokenizer.
-    Returns (model, arch)."""
-    path = resolve_model_path(directory)
+    """Load a draft model for `target` (a checkpoint directory or GGUF, converted into `cache_dir`);
+    ValueError unless it shares the target's tokenizer. Returns (model, arch)."""
+    path = resolve_model_path(directory, cache_dir)
     arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
     if arch.max_position_embeddings < max_model_len:
         raise ValueError(

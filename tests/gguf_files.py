@@ -1,0 +1,147 @@
+"""GGUF files written from the tiny HF checkpoints of tiny_models.py, the way llama.cpp's converter
+writes them: `{arch}.*` hyper-parameters, the byte-level BPE tokenizer with its chat template in
+the metadata, llama q/k rows permuted for llama.cpp's rotary kernel, 1-D tensors (norms, biases)
+kept F32, every matrix in the chosen type.
+
+`gguf` can quantize to F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1. It cannot quantize to the
+K-quants; for those the blocks are random bytes with small scales, so the weights are the file's
+own rather than the HF model's, which is all a loader test needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+from safetensors.numpy import load_file
+from transformers import AutoConfig, PreTrainedTokenizerFast
+
+# HF name -> GGUF name; layer tensors are `model.layers.{i}.<key>` -> `blk.{i}.<value>`.
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# Byte offsets of the float16 scale fields in one block of each K-quant (gguf/quants.py layouts).
+K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# The scale each field gets: values come out roughly within +-0.3, like the tiny models' weights.
+K_SCALE = {"Q2_K": 4e-3, "Q3_K": 1e-3, "Q4_K": 1.1e-3, "Q5_K": 5.5e-4, "Q6_K": 1.8e-4}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: per head, the rows of the two rotary halves interleaved."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    qtype: str = "F32",
+    *,
+    arch: str | None = None,
+    overrides: dict[str, np.ndarray] | None = None,
+    tokenizer_model: str = "gpt2",
+    seed: int = 0,
+) -> Path:
+    """Write the checkpoint in `hf_dir` as a GGUF at `out` with its matrices in `qtype`.
+
+    `arch` replaces the config's model type in the file (e.g. "falcon"); `overrides` gives raw
+    arrays for some HF names, stored in their numpy dtype (an F64 norm, say)."""
+    config = AutoConfig.from_pretrained(hf_dir)
+    arch = arch or {"mistral": "llama"}.get(config.model_type, config.model_type)
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    writer = GGUFWriter(out, arch)
+    writer.add_name(f"tiny {config.model_type}")
+    _write_hyperparameters(writer, config)
+    # The tokenizer as saved: AutoTokenizer would pick the architecture's class, and Qwen2's adds a token.
+    _write_tokenizer(writer, PreTrainedTokenizerFast.from_pretrained(hf_dir), tokenizer_model)
+    rng = np.random.default_rng(seed)
+    for hf_name, tensor in weights.items():
+        name = gguf_name(hf_name)
+        if overrides and hf_name in overrides:
+            writer.add_tensor(name, overrides[hf_name])
+            continue
+        data = tensor.astype(np.float32)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            data = llama_cpp_permute(data, heads)
+        if data.ndim == 1 or qtype == "F32":
+            writer.add_tensor(name, data)
+        elif qtype == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        elif qtype in K_SCALE_OFFSETS:
+            writer.add_tensor(name, random_k_blocks(data.shape, qtype, rng), raw_dtype=GGMLQuantizationType[qtype])
+        else:
+            writer.add_tensor(name, quantize(data, GGMLQuantizationType[qtype]), raw_dtype=GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def random_k_blocks(shape: tuple[int, int], qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] uint8: random K-quant blocks whose float16 scales are all K_SCALE[qtype]."""
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    scale = np.full((rows, cols // block_size), K_SCALE[qtype], dtype=np.float16).view(np.uint8)
+    for offset in K_SCALE_OFFSETS[qtype]:
+        blocks[:, :, offset : offset + 2] = scale.reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _write_hyperparameters(writer: GGUFWriter, config) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def _write_tokenizer(writer: GGUFWriter, tokenizer, model: str) -> None:
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    special = set(tokenizer.all_special_tokens)
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer.chat_template)
