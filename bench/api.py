@@ -55,7 +55,9 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench.api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--clients", type=int, default=None, help="concurrent streams (default 256; quick: 64)")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens per stream (default 64; quick: 16)")
     p.add_argument("--prompt-words", type=int, default=32)
@@ -322,15 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": str(model), **summarize(run, args)}
     path = write_result("api", result)
     c, w, a = result["client"], result["worker"], result["api_process"]
-    print(f"{args.clients} streams x {args.max_tokens} tokens in {result['wall_s']} s ({result['tokens_per_s']} tok/s)\n"
-          f"TTFT ms client p50 {c['ttft_ms']['p50']} p99 {c['ttft_ms']['p99']} | worker p50 {w['ttft_ms']['p50']} "
-          f"p99 {w['ttft_ms']['p99']} (client p50 = intake {result['ttft_breakdown_ms']['intake']['p50']} + worker + "
-          f"delivery {result['ttft_breakdown_ms']['delivery']['p50']})\n"
-          f"TBT ms client TPOT p50 {c['tpot_ms']['p50']} p99 {c['tpot_ms']['p99']} (ITL p50 {c['itl_ms']['p50']} "
-          f"p99 {c['itl_ms']['p99']}) | worker p50 {w['tbt_ms']['p50']} p99 {w['tbt_ms']['p99']}\n"
-          f"API RSS idle {a['idle_rss_mb']} MiB, peak {a['peak_rss_mb']} MiB with up to {a['max_open_streams']} open "
-          f"({a['rss_kb_per_open_stream']} KiB/stream); CPU {a['cpu_s']} s = {a['cpu_ms_per_stream']} ms/stream, "
-          f"{a['cpu_us_per_token']} us/token -> {path}")
+    print(
+        f"{args.clients} streams x {args.max_tokens} tokens in {result['wall_s']} s ({result['tokens_per_s']} tok/s)\n"
+        f"TTFT ms client p50 {c['ttft_ms']['p50']} p99 {c['ttft_ms']['p99']} | worker p50 {w['ttft_ms']['p50']} "
+        f"p99 {w['ttft_ms']['p99']} (client p50 = intake {result['ttft_breakdown_ms']['intake']['p50']} + worker + "
+        f"delivery {result['ttft_breakdown_ms']['delivery']['p50']})\n"
+        f"TBT ms client TPOT p50 {c['tpot_ms']['p50']} p99 {c['tpot_ms']['p99']} (ITL p50 {c['itl_ms']['p50']} "
+        f"p99 {c['itl_ms']['p99']}) | worker p50 {w['tbt_ms']['p50']} p99 {w['tbt_ms']['p99']}\n"
+        f"API RSS idle {a['idle_rss_mb']} MiB, peak {a['peak_rss_mb']} MiB with up to {a['max_open_streams']} open "
+        f"({a['rss_kb_per_open_stream']} KiB/stream); CPU {a['cpu_s']} s = {a['cpu_ms_per_stream']} ms/stream, "
+        f"{a['cpu_us_per_token']} us/token -> {path}"
+    )
     return 0
 
 

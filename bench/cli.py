@@ -122,9 +122,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         split = argv.index("--")
         argv, extra = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(prog="ferry bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ferry bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--suite", action="append", choices=[*SUITES, "all"], help="repeatable; 'all' runs every suite")
-    parser.add_argument("--quick", action="store_true", help="each suite's small workload (minutes, not tens of minutes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="each suite's small workload (minutes, not tens of minutes)"
+    )
     parser.add_argument("--model", help="model directory for the suites that take one (default: each suite's own)")
     parser.add_argument("--plots-only", action="store_true", help="run nothing; redraw the plots from the latest JSON")
     parser.add_argument("--no-plots", action="store_true", help="skip drawing the plots")
@@ -147,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in bar:
             bar.set_postfix(suite=name)
             run = run_suite(SUITES[name], args, extra)
-            tqdm.write(f"[{run.suite}] {' '.join(filter(None, (run.status, run.detail)))} ({run.seconds:.0f} s)", file=sys.stderr)
+            tqdm.write(
+                f"[{run.suite}] {' '.join(filter(None, (run.status, run.detail)))} ({run.seconds:.0f} s)",
+                file=sys.stderr,
+            )
             runs.append(run)
     for run in runs:
         files = ", ".join(_shown(p) for p in run.files) or "-"

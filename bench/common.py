@@ -77,4 +77,6 @@ _NUMBER_LIST = re.compile(r"\[\s*(-?[0-9][-0-9.eE+]*(?:,\s*-?[0-9][-0-9.eE+]*)*)
 
 def to_json(payload: dict) -> str:
     """Indented JSON with lists of numbers (raw latency samples) on one line each."""
-    return _NUMBER_LIST.sub(lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", json.dumps(payload, indent=2))
+    return _NUMBER_LIST.sub(
+        lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", json.dumps(payload, indent=2)
+    )

@@ -74,11 +74,19 @@ def main(argv: list[str] | None = None) -> None:
             "speedup": round(best["torch"] / best["packed"], 3),
         }
         results.append(row)
-        tqdm.write(f"rows {rows:4d}: torch {row['torch_gflops']:6.1f} GFLOP/s, packed {row['packed_gflops']:6.1f} ({row['speedup']:.2f}x)")
+        tqdm.write(
+            f"rows {rows:4d}: torch {row['torch_gflops']:6.1f} GFLOP/s, "
+            f"packed {row['packed_gflops']:6.1f} ({row['speedup']:.2f}x)"
+        )
     path = write_result(
         "linear_cpu",
         {
-            "settings": {"shapes": SHAPES, "layers": LAYERS, "repeats": args.repeats, "threads": torch.get_num_threads()},
+            "settings": {
+                "shapes": SHAPES,
+                "layers": LAYERS,
+                "repeats": args.repeats,
+                "threads": torch.get_num_threads(),
+            },
             "results": results,
         },
     )

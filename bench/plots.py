@@ -65,7 +65,9 @@ def plot_throughput(data: dict, out_dir: Path) -> list[Path]:
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"{r['system']}\n({at_once.get(r['system'], '≤' + str(workload.get('n', '?')))} at once)" for r in results]
+    labels = [
+        f"{r['system']}\n({at_once.get(r['system'], '≤' + str(workload.get('n', '?')))} at once)" for r in results
+    ]
     bars = ax.bar(labels, [r["tokens_per_s"] for r in results],
                   color=["tab:green" if r["system"] == "ferry" else "tab:gray" for r in results])
     ax.bar_label(bars, fmt="%.1f")
@@ -95,7 +97,11 @@ def plot_throughput(data: dict, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         levels = [row["max_num_seqs"] for row in sweep]
         ax.plot(levels, [row["tokens_per_s"] for row in sweep], "o-", color="tab:green", label="ferry (max_num_seqs)")
-        for r, at, color in (("hf-single", 1, "tab:blue"), ("hf-static8", 8, "tab:orange"), ("hf-cb", workload.get("n"), "tab:red")):
+        for r, at, color in (
+            ("hf-single", 1, "tab:blue"),
+            ("hf-static8", 8, "tab:orange"),
+            ("hf-cb", workload.get("n"), "tab:red"),
+        ):
             base = next((x for x in results if x["system"] == r), None)
             if base is not None and at:
                 ax.plot([at], [base["tokens_per_s"]], "s", color=color, label=r)
@@ -142,7 +148,13 @@ def plot_prefix(data: dict, out_dir: Path) -> list[Path]:
         ax = axes[1]
         for mode, colour in (("restored", "tab:green"), ("cold", "tab:gray")):
             ttft = cold[mode]["ttft_s"]
-            ax.plot(range(1, len(ttft) + 1), ttft, "o-", color=colour, label="snapshot restored" if mode == "restored" else "no snapshot")
+            ax.plot(
+                range(1, len(ttft) + 1),
+                ttft,
+                "o-",
+                color=colour,
+                label="snapshot restored" if mode == "restored" else "no snapshot",
+            )
         ax.set_xlabel("request # on a fresh engine")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("TTFT (s)")
@@ -163,8 +175,12 @@ def plot_queue(data: dict, out_dir: Path) -> list[Path]:
     if not (direct and queue):
         return []
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    for offset, (name, r, colour) in zip((-0.2, 0.2), (("in-process engine", direct, "tab:gray"), ("via Redis worker", queue, "tab:green")), strict=True):
-        bars = axes[0].bar([offset, 1 + offset], [r["ttft_p50_ms"], r["ttft_p99_ms"]], width=0.4, color=colour, label=name)
+    for offset, (name, r, colour) in zip(
+        (-0.2, 0.2), (("in-process engine", direct, "tab:gray"), ("via Redis worker", queue, "tab:green")), strict=True
+    ):
+        bars = axes[0].bar(
+            [offset, 1 + offset], [r["ttft_p50_ms"], r["ttft_p99_ms"]], width=0.4, color=colour, label=name
+        )
         axes[0].bar_label(bars, fmt="%.0f")
     axes[0].set_xticks([0, 1], ["TTFT p50", "TTFT p99"])
     axes[0].set_ylabel("ms")

@@ -29,20 +29,32 @@ from bench.common import machine, percentiles, write_result
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.prefix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench.prefix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="model directory (default: a SmolLM2-135M-shaped random model)")
-    p.add_argument("--quick", action="store_true", help="a small run: 1024-token system prompt, 100-token turns, 8 requests, 0.05 GiB restore")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small run: 1024-token system prompt, 100-token turns, 8 requests, 0.05 GiB restore",
+    )
     p.add_argument("--system-tokens", type=int, default=None, help="shared system prompt length (default 2000)")
     p.add_argument("--user-tokens", type=int, default=None, help="user turn length (default 200)")
     p.add_argument("--requests", type=int, default=None, help="requests in the shared-prefix run (default 32)")
-    p.add_argument("--cold-requests", type=int, default=None, help="first requests measured on a fresh engine (default 8)")
+    p.add_argument(
+        "--cold-requests", type=int, default=None, help="first requests measured on a fresh engine (default 8)"
+    )
     p.add_argument("--restore-gib", type=float, default=None, help="KV restored in part 3 (default 1.0)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/prefix-<time>.json and -latest)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON output (default: bench/results/prefix-<time>.json and -latest)"
+    )
     args = p.parse_args(argv)
     defaults = (1024, 100, 8, 4, 0.05) if args.quick else (2000, 200, 32, 8, 1.0)
-    for name, value in zip(("system_tokens", "user_tokens", "requests", "cold_requests", "restore_gib"), defaults, strict=True):
+    for name, value in zip(
+        ("system_tokens", "user_tokens", "requests", "cold_requests", "restore_gib"), defaults, strict=True
+    ):
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
@@ -58,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     system = [rng.randrange(vocab) for _ in range(args.system_tokens)]
-    users = [[rng.randrange(vocab) for _ in range(args.user_tokens)] for _ in range(max(args.requests, args.cold_requests))]
+    users = [
+        [rng.randrange(vocab) for _ in range(args.user_tokens)] for _ in range(max(args.requests, args.cold_requests))
+    ]
     max_len = args.system_tokens + args.user_tokens + 16
     engine_kwargs = dict(dtype=args.dtype, max_model_len=max_len, max_num_seqs=16)
 
@@ -179,7 +193,9 @@ def cold_start(model: str, system: list[int], users: list[list[int]], engine_kwa
             start_s[name] = time.perf_counter() - started
             restore_s[name] = restored.seconds if restored else 0.0
     rows = _interleaved(engines, [system + u for u in users])
-    result = {"snapshot": {"blocks": saved.blocks, "tokens": saved.tokens, "bytes": saved.bytes, "save_s": saved.seconds}}
+    result = {
+        "snapshot": {"blocks": saved.blocks, "tokens": saved.tokens, "bytes": saved.bytes, "save_s": saved.seconds}
+    }
     for name, runs in rows.items():
         result[name] = {
             "engine_start_s": start_s[name],
@@ -233,8 +249,11 @@ def _print_summary(report: dict, out: Path) -> None:
     sp, cs, rr = report["shared_prefix"], report["cold_start"], report["restore_vs_recompute"]
     ms = lambda s: f"{s * 1e3:.0f} ms"
     print(f"model {report['model']}, {report['settings']}")
-    print(f"shared prefix: TTFT p50 {ms(sp['on']['p50_s'])} on vs {ms(sp['off']['p50_s'])} off "
-          f"({sp['p50_speedup']:.1f}x), p99 {ms(sp['on']['p99_s'])} vs {ms(sp['off']['p99_s'])} ({sp['p99_speedup']:.1f}x)")
+    print(
+        f"shared prefix: TTFT p50 {ms(sp['on']['p50_s'])} on vs {ms(sp['off']['p50_s'])} off "
+        f"({sp['p50_speedup']:.1f}x), "
+        f"p99 {ms(sp['on']['p99_s'])} vs {ms(sp['off']['p99_s'])} ({sp['p99_speedup']:.1f}x)"
+    )
     print(f"cold start: first TTFT {ms(cs['restored']['first_ttft_s'])} restored vs {ms(cs['cold']['first_ttft_s'])} "
           f"cold ({cs['first_ttft_speedup']:.1f}x); restore {ms(cs['restored']['restore_s'])} "
           f"for {cs['snapshot']['tokens']} tokens; mean TTFT of first {len(cs['cold']['ttft_s'])}: "

@@ -51,7 +51,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench.queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="model directory (default: a SmolLM2-135M-shaped random model; "
                    "quick: the small demo model, where a step takes milliseconds and the queue's cost shows most)")
     p.add_argument("--quick", action="store_true", help="a small run: the demo model, shorter prompts and outputs")
@@ -178,14 +180,23 @@ class QueueClient:
         self.client.close()
 
 
-def start_worker(model: Path, redis_url: str, prefix: str, jobs: int, threads: int | None, log: Path) -> subprocess.Popen:
+def start_worker(
+    model: Path, redis_url: str, prefix: str, jobs: int, threads: int | None, log: Path
+) -> subprocess.Popen:
     kw = _engine_kwargs(jobs)
     env = {
         **os.environ,
-        "FERRY_REDIS_URL": redis_url, "FERRY_KEY_PREFIX": prefix, "FERRY_MODEL": str(model), "FERRY_MODEL_NAME": "bench",
-        "FERRY_METRICS_PORT": "0", "FERRY_METRICS_HOST": "127.0.0.1", "FERRY_WORKER_ID": f"bench-{prefix[-6:]}",
-        "FERRY_MAX_NUM_SEQS": str(kw["max_num_seqs"]), "FERRY_MAX_NUM_BATCHED_TOKENS": str(kw["max_num_batched_tokens"]),
-        "FERRY_KV_CACHE_BYTES": str(kw["kv_cache_bytes"]), "FERRY_DRAIN_TIMEOUT_S": "0",
+        "FERRY_REDIS_URL": redis_url,
+        "FERRY_KEY_PREFIX": prefix,
+        "FERRY_MODEL": str(model),
+        "FERRY_MODEL_NAME": "bench",
+        "FERRY_METRICS_PORT": "0",
+        "FERRY_METRICS_HOST": "127.0.0.1",
+        "FERRY_WORKER_ID": f"bench-{prefix[-6:]}",
+        "FERRY_MAX_NUM_SEQS": str(kw["max_num_seqs"]),
+        "FERRY_MAX_NUM_BATCHED_TOKENS": str(kw["max_num_batched_tokens"]),
+        "FERRY_KV_CACHE_BYTES": str(kw["kv_cache_bytes"]),
+        "FERRY_DRAIN_TIMEOUT_S": "0",
     }
     if threads:
         env["FERRY_TORCH_THREADS"] = str(threads)
@@ -238,8 +249,12 @@ def main(argv: list[str] | None = None) -> int:
             prompts = _prompts(args.jobs, args.prompt_tokens, vocab, seed=2 + i)
             direct.append(run_direct(engine, prompts, args.max_tokens))
             queued.append(queue.run(prompts, args.max_tokens))
-            print(f"run {i + 1}: direct {direct[-1]['tokens_per_s']:.1f} tok/s TTFT p50 {direct[-1]['ttft_p50_ms']:.1f} ms | "
-                  f"queue {queued[-1]['tokens_per_s']:.1f} tok/s TTFT p50 {queued[-1]['ttft_p50_ms']:.1f} ms", flush=True)
+            print(
+                f"run {i + 1}: direct {direct[-1]['tokens_per_s']:.1f} tok/s "
+                f"TTFT p50 {direct[-1]['ttft_p50_ms']:.1f} ms | "
+                f"queue {queued[-1]['tokens_per_s']:.1f} tok/s TTFT p50 {queued[-1]['ttft_p50_ms']:.1f} ms",
+                flush=True,
+            )
     finally:
         worker.terminate()
         worker.wait(60)
@@ -276,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / ("queue-quick.json" if args.quick else "queue.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{args.jobs} jobs: added TTFT p50 {result['added_ttft_p50_ms']:+.1f} ms, p99 {result['added_ttft_p99_ms']:+.1f} ms; "
-          f"throughput ratio {result['throughput_ratio']:.3f} (queue / direct); one job at a time: added TTFT p50 "
-          f"{result['single_job_added_ttft_p50_ms']:+.1f} ms; per-run pairs: added TTFT p50 {result['added_ttft_paired_p50_ms']:+.1f} ms; "
-          f"Redis path on the critical path (first intake + delivery): {result['queue_critical_path_ms']:.1f} ms "
-          f"-> {out}")
+    print(
+        f"{args.jobs} jobs: added TTFT p50 {result['added_ttft_p50_ms']:+.1f} ms, "
+        f"p99 {result['added_ttft_p99_ms']:+.1f} ms; "
+        f"throughput ratio {result['throughput_ratio']:.3f} (queue / direct); one job at a time: added TTFT p50 "
+        f"{result['single_job_added_ttft_p50_ms']:+.1f} ms; "
+        f"per-run pairs: added TTFT p50 {result['added_ttft_paired_p50_ms']:+.1f} ms; "
+        f"Redis path on the critical path (first intake + delivery): {result['queue_critical_path_ms']:.1f} ms "
+        f"-> {out}"
+    )
     return 0
 
 

@@ -86,17 +86,46 @@ def throughput_rows(data: dict) -> list[Row]:
     bracketed = len(ferry_runs) == len(baselines) + 1
     for i, name in enumerate(baselines):
         ferry_rate = ferry_beside(ferry_runs, i) if bracketed else ferry.get("tokens_per_s")
-        rows.append(Row("throughput", f"output tok/s, {n} requests", ferry_rate, by_system[name].get("tokens_per_s"), name, True))
+        rows.append(
+            Row(
+                "throughput", f"output tok/s, {n} requests", ferry_rate, by_system[name].get("tokens_per_s"), name, True
+            )
+        )
     return rows
 
 
 def prefix_rows(data: dict) -> list[Row]:
-    shared, cold, restore = data.get("shared_prefix", {}), data.get("cold_start", {}), data.get("restore_vs_recompute", {})
+    shared, cold, restore = (
+        data.get("shared_prefix", {}),
+        data.get("cold_start", {}),
+        data.get("restore_vs_recompute", {}),
+    )
     system = _get(data, "settings", "system_tokens")
     rows = [
-        Row("prefix", f"TTFT p50 (s), {system}-token shared prefix", _get(shared, "on", "p50_s"), _get(shared, "off", "p50_s"), "prefix cache off", False),
-        Row("prefix", "first TTFT (s) of a fresh worker", _get(cold, "restored", "first_ttft_s"), _get(cold, "cold", "first_ttft_s"), "no snapshot", False),
-        Row("prefix", f"{restore.get('tokens')} tokens of KV back (s)", restore.get("restore_s"), restore.get("recompute_s"), "recompute", False),
+        Row(
+            "prefix",
+            f"TTFT p50 (s), {system}-token shared prefix",
+            _get(shared, "on", "p50_s"),
+            _get(shared, "off", "p50_s"),
+            "prefix cache off",
+            False,
+        ),
+        Row(
+            "prefix",
+            "first TTFT (s) of a fresh worker",
+            _get(cold, "restored", "first_ttft_s"),
+            _get(cold, "cold", "first_ttft_s"),
+            "no snapshot",
+            False,
+        ),
+        Row(
+            "prefix",
+            f"{restore.get('tokens')} tokens of KV back (s)",
+            restore.get("restore_s"),
+            restore.get("recompute_s"),
+            "recompute",
+            False,
+        ),
     ]
     return [r for r in rows if r.ferry is not None]
 
@@ -104,8 +133,22 @@ def prefix_rows(data: dict) -> list[Row]:
 def queue_rows(data: dict) -> list[Row]:
     label = f"{data.get('jobs')} jobs"
     rows = [
-        Row("queue", f"output tok/s, {label}", _get(data, "queue", "tokens_per_s"), _get(data, "direct", "tokens_per_s"), "in-process engine", True),
-        Row("queue", f"TTFT p50 (ms), {label}", _queue_ttft(data), _get(data, "direct", "ttft_p50_ms"), "in-process engine", False),
+        Row(
+            "queue",
+            f"output tok/s, {label}",
+            _get(data, "queue", "tokens_per_s"),
+            _get(data, "direct", "tokens_per_s"),
+            "in-process engine",
+            True,
+        ),
+        Row(
+            "queue",
+            f"TTFT p50 (ms), {label}",
+            _queue_ttft(data),
+            _get(data, "direct", "ttft_p50_ms"),
+            "in-process engine",
+            False,
+        ),
         Row("queue", "TTFT p50 (ms), one job at a time", *_single_job_ttfts(data), "in-process engine", False),
     ]
     return [r for r in rows if r.ferry is not None]
@@ -153,10 +196,22 @@ def linear_cpu_rows(data: dict) -> list[Row]:
 def api_rows(data: dict) -> list[Row]:
     label = f"{data.get('clients')} streams"
     rows = [
-        Row("api", f"TTFT p50 (ms), {label}", _get(data, "client", "ttft_ms", "p50"), _get(data, "worker", "ttft_ms", "p50"),
-            "worker's own (no HTTP)", False),
-        Row("api", f"time between tokens p50 (ms), {label}", _get(data, "client", "tpot_ms", "p50"),
-            _get(data, "worker", "tbt_ms", "p50"), "worker's own (no HTTP)", False),
+        Row(
+            "api",
+            f"TTFT p50 (ms), {label}",
+            _get(data, "client", "ttft_ms", "p50"),
+            _get(data, "worker", "ttft_ms", "p50"),
+            "worker's own (no HTTP)",
+            False,
+        ),
+        Row(
+            "api",
+            f"time between tokens p50 (ms), {label}",
+            _get(data, "client", "tpot_ms", "p50"),
+            _get(data, "worker", "tbt_ms", "p50"),
+            "worker's own (no HTTP)",
+            False,
+        ),
     ]
     return [r for r in rows if r.ferry is not None]
 
@@ -193,7 +248,9 @@ def machine_label(data: dict) -> str:
     parts = [
         m.get("gpu") or m.get("device_name") or m.get("cpu") or m.get("machine") or m.get("platform"),
         f"{m.get('cores') or m.get('cpus')} cores" if (m.get("cores") or m.get("cpus")) else None,
-        f"torch threads {m.get('torch_threads') or m.get('threads')}" if (m.get("torch_threads") or m.get("threads")) else None,
+        f"torch threads {m.get('torch_threads') or m.get('threads')}"
+        if (m.get("torch_threads") or m.get("threads"))
+        else None,
         f"torch {m['torch']}" if m.get("torch") else None,
         f"commit {m['commit']}" if m.get("commit") else None,
         data.get("created") or data.get("time"),
@@ -241,7 +298,8 @@ def plot_links(plots_dir: Path = PLOTS_DIR, base: Path = REPO) -> str:
         return ""
     links = " · ".join(f"[{p.stem}]({p.relative_to(base).as_posix()})" for p in paths)
     inline = next((f"![throughput]({p.relative_to(base).as_posix()})\n\n" for p in paths if p.stem == "throughput"), "")
-    return f"{inline}Plots (`ferry bench --plots-only` redraws them): {links}. How to read them: [bench/README.md](bench/README.md)."
+    return (f"{inline}Plots (`ferry bench --plots-only` redraws them): {links}. "
+            "How to read them: [bench/README.md](bench/README.md).")
 
 
 def write_readme(section: str, readme: Path = README) -> None:
@@ -257,7 +315,9 @@ def write_readme(section: str, readme: Path = README) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--write", action="store_true", help="rewrite README.md's results section")
     args = parser.parse_args(argv)
     results = latest_results()

@@ -60,13 +60,21 @@ PASSAGE_TOKENS = 120  # a passage is cut at the last line that fits
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(REPO / "models" / "demo"))
-    p.add_argument("--draft", default=None, help="draft model directory (default: models/draft, beside --model's default)")
+    p.add_argument(
+        "--draft", default=None, help="draft model directory (default: models/draft, beside --model's default)"
+    )
     p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 256; quick: 64)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--k", type=int, default=4, help="proposals per step")
-    p.add_argument("--repeats", type=int, default=None, help="runs per measurement, the best counts (default 2; quick: 1)")
-    p.add_argument("--every-step", action="store_true", help="turn the speedup governor off: speculate whenever proposals exist")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared CPU, more threads thrash)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="runs per measurement, the best counts (default 2; quick: 1)"
+    )
+    p.add_argument(
+        "--every-step", action="store_true", help="turn the speedup governor off: speculate whenever proposals exist"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: on a shared CPU, more threads thrash)"
+    )
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     args.tokens = args.tokens or (64 if args.quick else 256)
@@ -151,10 +159,15 @@ def run_once(engine, prompts: list[str], tokens: int) -> dict:
             step_s["speculating" if verified else "plain"].append(took)
     wall = time.perf_counter() - start
     generated = sum(len(v) for v in outputs.values())
-    result = {"tokens_per_s": generated / wall, "wall_s": wall, "steps": steps, "output_tokens": generated,
-              "token_ids": [outputs[rid] for rid in ids],
-              "step_ms": {f"{kind}_p50": 1000 * statistics.median(times) if times else None for kind, times in step_s.items()}
-              | {"speculating_steps": len(step_s["speculating"])}}
+    result = {
+        "tokens_per_s": generated / wall,
+        "wall_s": wall,
+        "steps": steps,
+        "output_tokens": generated,
+        "token_ids": [outputs[rid] for rid in ids],
+        "step_ms": {f"{kind}_p50": 1000 * statistics.median(times) if times else None for kind, times in step_s.items()}
+        | {"speculating_steps": len(step_s["speculating"])},
+    }
     after = engine.stats().spec_decode
     if after is not None:
         drafts = after.num_drafts - before.num_drafts

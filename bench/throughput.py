@@ -159,7 +159,9 @@ def run_ferry(model_dir, work: Workload, max_num_seqs: int, bar: tqdm) -> System
     used_slots, allocated_slots, peak_blocks = [], [], 0
     start = time.monotonic()
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), arrival_time=start)
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), arrival_time=start
+        )
     finished = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -280,7 +282,9 @@ def _run_system(system: str, model_dir, work: Workload, args) -> SystemResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=64, help="requests (every system runs the same list)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-shaped random)")
@@ -315,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             ferry_runs.append(_run_system("ferry", model_dir, work, args))
     results = baseline_results
     if ferry_runs:
-        results = [sorted(ferry_runs, key=lambda r: r.output_tokens / r.wall_s)[len(ferry_runs) // 2], *baseline_results]
+        results = [
+            sorted(ferry_runs, key=lambda r: r.output_tokens / r.wall_s)[len(ferry_runs) // 2],
+            *baseline_results,
+        ]
     sweep, floor = [], None
     if "ferry" in systems and args.sweep:
         sweep = run_sweep(model_dir, work, [int(c) for c in args.sweep.split(",") if c])
@@ -325,11 +332,16 @@ def main(argv: list[str] | None = None) -> int:
             floor["sweep_batch1_tbt_p50_ms"] = single["tbt_ms"]["p50"]
         main_ferry = next(r for r in results if r.system == "ferry")
         tbt = percentiles(main_ferry.tbt_s)
-        sweep.append({
-            "max_num_seqs": args.max_num_seqs, "requests": len(work.prompts), "output_tokens": main_ferry.output_tokens,
-            "wall_s": round(main_ferry.wall_s, 3), "tokens_per_s": round(main_ferry.output_tokens / main_ferry.wall_s, 2),
-            "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in tbt.items()},
-        })
+        sweep.append(
+            {
+                "max_num_seqs": args.max_num_seqs,
+                "requests": len(work.prompts),
+                "output_tokens": main_ferry.output_tokens,
+                "wall_s": round(main_ferry.wall_s, 3),
+                "tokens_per_s": round(main_ferry.output_tokens / main_ferry.wall_s, 2),
+                "tbt_ms": {k: v and round(v * 1e3, 1) for k, v in tbt.items()},
+            }
+        )
     summaries = [r.summary() for r in results]
     ratios = {}
     ferry_rates = [r.output_tokens / r.wall_s for r in ferry_runs]
@@ -353,11 +365,17 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     for s in summaries:
-        print(f"{s['system']:<11} {s['tokens_per_s']:>8.1f} tok/s  wall {s['wall_s']:>7.1f}s  TTFT p50 {s['ttft_ms']['p50']} ms  TBT p50 {s['tbt_ms']['p50']} ms")
+        print(
+            f"{s['system']:<11} {s['tokens_per_s']:>8.1f} tok/s  wall {s['wall_s']:>7.1f}s  "
+            f"TTFT p50 {s['ttft_ms']['p50']} ms  TBT p50 {s['tbt_ms']['p50']} ms"
+        )
     print("ratios:", ratios)
     if floor:
-        print(f"batch-1 decode step {floor['batch1_step_ms']} ms = {floor['batch1_tbt_over_floor']}x the weight-read floor "
-              f"({floor['bytes'] / 1e6:.0f} MB at {floor['gb_per_s']} GB/s; median of {floor['pairs']} step/read pairs)")
+        print(
+            f"batch-1 decode step {floor['batch1_step_ms']} ms = {floor['batch1_tbt_over_floor']}x "
+            "the weight-read floor "
+            f"({floor['bytes'] / 1e6:.0f} MB at {floor['gb_per_s']} GB/s; median of {floor['pairs']} step/read pairs)"
+        )
     print("wrote", path)
     return 0
 

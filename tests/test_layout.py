@@ -68,7 +68,9 @@ def _imports(module: str, path: Path) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # `from pkg import sub` names the submodule when there is one.
-            targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names)
+            targets.update(
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names
+            )
     return {t for t in (_resolve(name) for name in targets) if t is not None and t != module}
 
 

@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            print(f"ferry: command {name!r} is not available in this installation ({exc.name} missing)", file=sys.stderr)
+            print(
+                f"ferry: command {name!r} is not available in this installation ({exc.name} missing)", file=sys.stderr
+            )
             return 2
         raise
     return int(getattr(module, function)(rest) or 0)

@@ -156,7 +156,12 @@ async def read_job(job_id: JobId, svc: Svc, tenant_name: Tenant) -> JobView:
 @router.get(
     "/{job_id}/events",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": "SSE: one event per job event, `id` = seq"}}
+    responses={
+        200: {
+            "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+            "description": "SSE: one event per job event, `id` = seq",
+        }
+    }
     | error_responses(401, 404, 422),
     summary="Follow a job's events (SSE; Last-Event-ID resumes)",
 )

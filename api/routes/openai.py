@@ -294,7 +294,11 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
     def render(event: Event) -> list[str]:
         """The SSE messages for one event; the last event's end with `[DONE]`."""
         if event.type == "token":
-            out = [chunk(shape.chunk(event.text, event.logprobs))] if event.text or (shape.logprobs and event.logprobs) else []
+            out = (
+                [chunk(shape.chunk(event.text, event.logprobs))]
+                if event.text or (shape.logprobs and event.logprobs)
+                else []
+            )
             shape.text += event.text
             return out
         if event.type == "completed":

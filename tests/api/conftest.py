@@ -46,7 +46,9 @@ def delete_prefix(prefix: str) -> None:
 
 
 def api_keys_setting() -> str:
-    return ",".join(f"{hashlib.sha256(k.encode()).hexdigest()}:{t}" for k, t in ((KEY_A, "tenant-a"), (KEY_B, "tenant-b")))
+    return ",".join(
+        f"{hashlib.sha256(k.encode()).hexdigest()}:{t}" for k, t in ((KEY_A, "tenant-a"), (KEY_B, "tenant-b"))
+    )
 
 
 class Proc:

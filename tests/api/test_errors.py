@@ -89,7 +89,9 @@ def test_unknown_routes_methods_jobs_and_models():
         assert error(api.post("/v1/jobs/0123abc/cancel"), 404)["code"] == "job_not_found"
         e = error(api.post("/v1/jobs", json={"input": {"prompt": "x", "model": "other"}}), 404)
         assert (e["code"], e["field"]) == ("model_not_found", "input.model")
-        assert error(api.post("/v1/completions", json={"model": "other", "prompt": "x"}), 404)["code"] == "model_not_found"
+        assert (
+            error(api.post("/v1/completions", json={"model": "other", "prompt": "x"}), 404)["code"] == "model_not_found"
+        )
     with local_app(models="m1,m2") as api:  # the model may be omitted only while one is served
         assert error(api.post("/v1/jobs", json={"input": {"prompt": "x"}}), 422)["field"] == "input.model"
     with local_app() as api:

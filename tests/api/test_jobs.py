@@ -146,7 +146,9 @@ def test_idempotency_key(stack, api):
     again = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": "order-1"})
     assert first.status_code == 202 and again.status_code == 202
     assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
-    other = api.post("/v1/jobs", json={"input": {"prompt": "twice", "max_tokens": 2}}, headers={"Idempotency-Key": "order-1"})
+    other = api.post(
+        "/v1/jobs", json={"input": {"prompt": "twice", "max_tokens": 2}}, headers={"Idempotency-Key": "order-1"}
+    )
     assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_conflict"
     with stack.client(KEY_B) as tenant_b:  # keys are per tenant
         theirs = tenant_b.post("/v1/jobs", json=body, headers={"Idempotency-Key": "order-1"})

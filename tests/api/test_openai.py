@@ -67,7 +67,9 @@ def test_logprobs_completions_and_chat(client):
                                   extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert all(len(top) <= 3 and max(top.values()) >= lp.token_logprobs[i] - 1e-5 for i, top in enumerate(lp.top_logprobs))
+    assert all(
+        len(top) <= 3 and max(top.values()) >= lp.token_logprobs[i] - 1e-5 for i, top in enumerate(lp.top_logprobs)
+    )
     assert lp.text_offset == sorted(lp.text_offset)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True})

@@ -20,7 +20,10 @@ def test_all_expands_to_every_suite_and_extra_args_need_one_suite():
 
 
 def test_missing_module_and_unreachable_redis_are_skip_reasons(monkeypatch):
-    assert cli.missing_requirement(cli.Suite("x", "bench.no_such_suite", ())) == "bench/no_such_suite.py does not exist yet"
+    assert (
+        cli.missing_requirement(cli.Suite("x", "bench.no_such_suite", ()))
+        == "bench/no_such_suite.py does not exist yet"
+    )
     monkeypatch.setenv("FERRY_REDIS_URL", "redis://127.0.0.1:1/0")
     reason = cli.missing_requirement(cli.Suite("queue", "bench.queue", (), needs="redis"))
     assert reason == "needs Redis at redis://127.0.0.1:1/0"
@@ -35,8 +38,25 @@ def test_kernels_suite_is_skipped_without_cuda(capsys):
 def test_a_suite_runs_in_its_own_process_and_its_json_becomes_latest(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "RESULTS_DIR", tmp_path)
     out = tmp_path / "prefix-run.json"
-    argv = ["--suite", "prefix", "--quick", "--model", str(cli.REPO / "models" / "demo"), "--no-plots",
-            "--", "--restore-gib", "0.002", "--requests", "2", "--cold-requests", "1", "--threads", "1", "--out", str(out)]
+    argv = [
+        "--suite",
+        "prefix",
+        "--quick",
+        "--model",
+        str(cli.REPO / "models" / "demo"),
+        "--no-plots",
+        "--",
+        "--restore-gib",
+        "0.002",
+        "--requests",
+        "2",
+        "--cold-requests",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     assert (tmp_path / "prefix-latest.json").read_bytes() == out.read_bytes()
     summary = capsys.readouterr().out.splitlines()[0].split()

@@ -32,7 +32,10 @@ PREFIX = {
     "settings": {"system_tokens": 1024},
     "env": {"torch": "2.13.0+cpu", "threads": 1, "machine": "x86_64"},
     "shared_prefix": {"on": {"p50_s": 2.0, "p99_s": 3.0}, "off": {"p50_s": 8.0, "p99_s": 9.0}},
-    "cold_start": {"restored": {"first_ttft_s": 0.5, "ttft_s": [0.5, 0.6]}, "cold": {"first_ttft_s": 5.0, "ttft_s": [5.0, 0.6]}},
+    "cold_start": {
+        "restored": {"first_ttft_s": 0.5, "ttft_s": [0.5, 0.6]},
+        "cold": {"first_ttft_s": 5.0, "ttft_s": [5.0, 0.6]},
+    },
     "restore_vs_recompute": {"tokens": 1152, "gib": 0.05, "restore_s": 0.5, "recompute_s": 10.0},
 }
 SPECDEC = {
@@ -56,7 +59,10 @@ def test_throughput_sets_each_baseline_against_the_ferry_runs_beside_it():
     data["results"].append({"system": "hf-single", "tokens_per_s": 10.0})
     data["ferry_runs_tokens_per_s"] = [80.0, 100.0, 60.0]  # ferry, hf-static8, ferry, hf-single, ferry
     rows = report.rows_for("throughput", data)
-    assert [(r.baseline_name, r.ferry, round(r.factor, 2)) for r in rows] == [("hf-static8", 90.0, 2.0), ("hf-single", 80.0, 8.0)]
+    assert [(r.baseline_name, r.ferry, round(r.factor, 2)) for r in rows] == [
+        ("hf-static8", 90.0, 2.0),
+        ("hf-single", 80.0, 8.0),
+    ]
 
 
 def test_rows_are_factors_above_one_when_ferry_is_better():
@@ -132,9 +138,15 @@ def test_render_all_draws_each_figure(tmp_path):
 
 def test_queue_rows_include_single_jobs_against_the_engine():
     data = {
-        "jobs": 32, "queue": {"tokens_per_s": 95.0}, "direct": {"tokens_per_s": 100.0, "ttft_p50_ms": 1000.0},
+        "jobs": 32,
+        "queue": {"tokens_per_s": 95.0},
+        "direct": {"tokens_per_s": 100.0, "ttft_p50_ms": 1000.0},
         "added_ttft_paired_p50_ms": 12.0,
-        "single_job_ttft_ms": [{"direct": 40.0, "queue": 44.0}, {"direct": 42.0, "queue": 47.0}, {"direct": 50.0, "queue": 52.0}],
+        "single_job_ttft_ms": [
+            {"direct": 40.0, "queue": 44.0},
+            {"direct": 42.0, "queue": 47.0},
+            {"direct": 50.0, "queue": 52.0},
+        ],
     }
     rows = {row.metric: row for row in report.queue_rows(data)}
     assert rows["TTFT p50 (ms), 32 jobs"].ferry == 1012.0

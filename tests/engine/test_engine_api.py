@@ -37,7 +37,9 @@ def test_text_prompt_streams_deltas_that_add_up(llm):
 
 
 def test_stop_string_is_cut_exactly_and_never_streamed(llm):
-    base = llm.generate(["The quick brown"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    base = llm.generate(
+        ["The quick brown"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     text = base.text
     start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
     stop = text[start : start + 3]
@@ -53,11 +55,15 @@ def test_stop_token_ids_and_eos(llm):
     base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     stop_token = base.token_ids[4]
     first = base.token_ids.index(stop_token)
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token]), use_tqdm=False
+    )[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
     held = llm.generate(
-        [[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token], min_tokens=first + 2), use_tqdm=False
+        [[5, 6, 7]],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token], min_tokens=first + 2),
+        use_tqdm=False,
     )[0]
     assert len(held.token_ids) > first + 1  # min_tokens keeps it going past the stop token
 
@@ -107,7 +113,9 @@ def test_resumed_tokens_are_validated(llm):
 
 
 def test_logprobs_per_generated_token(llm):
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.logprobs) == 5
     for token, position in zip(out.token_ids, out.logprobs):
         assert token in position and position[token].rank == 1  # greedy picks the top token
@@ -221,4 +229,7 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch, llama_dir):
     local = LLM(str(llama_dir))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert cached.engine.model_dir == snapshot.resolve() or cached.engine.model_dir == snapshot
-    assert cached.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == local.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+    assert (
+        cached.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+        == local.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+    )

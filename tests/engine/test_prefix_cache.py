@@ -162,7 +162,9 @@ def test_keys_are_identical_in_another_process(llama_dir):
         "print(' '.join(k.hex() for k in r.block_keys))\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     there = done.stdout.split()
     assert len(here) == (len(prompt) - 1) // BS
     assert there == here

@@ -46,5 +46,7 @@ def test_chat_template_renders_a_code_prompt():
     from worker.engine import Engine
 
     engine = Engine(str(MODELS / "demo"))
-    ids = engine.apply_chat_template([{"role": "system", "content": "sort a list"}, {"role": "user", "content": "def f(xs):"}])
+    ids = engine.apply_chat_template(
+        [{"role": "system", "content": "sort a list"}, {"role": "user", "content": "def f(xs):"}]
+    )
     assert engine.tokenizer.decode(ids) == "# sort a list\ndef f(xs):"

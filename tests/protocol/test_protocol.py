@@ -67,7 +67,12 @@ def test_key_names():
     k = Keys("ferry")
     assert k.queues("m") == ["ferry:q:m:high", "ferry:q:m:normal", "ferry:q:m:low"]
     assert (k.job("j"), k.events("j"), k.channel("j")) == ("ferry:job:j", "ferry:job:j:events", "ferry:job:j")
-    assert (k.idempotency("t", "x"), k.cancel, k.dlq, k.worker("w")) == ("ferry:idem:t:x", "ferry:cancel", "ferry:dlq", "ferry:worker:w")
+    assert (k.idempotency("t", "x"), k.cancel, k.dlq, k.worker("w")) == (
+        "ferry:idem:t:x",
+        "ferry:cancel",
+        "ferry:dlq",
+        "ferry:worker:w",
+    )
     with pytest.raises(ValueError):
         k.queue("m", "urgent")
 
@@ -76,9 +81,16 @@ def test_events_round_trip_through_json_and_stream_fields():
     top = [TopLogprob(token_id=3, token="a", logprob=-0.1)]
     evs = [
         StartedEvent(seq=0, worker_id="w", attempt=1),
-        TokenEvent(seq=1, text="hé", token_ids=[3, 4], logprobs=[TokenLogprob(token_id=3, token="a", logprob=-0.1, top=top)]),
-        CompletedEvent(seq=2, finish_reason="stop", stop_reason="\n", usage=Usage(prompt_tokens=2, completion_tokens=2,
-                       total_tokens=4, cached_tokens=0), timings=Timings(queue_s=0.1, ttft_s=0.2, tbt_s=0.01, total_s=0.3)),
+        TokenEvent(
+            seq=1, text="hé", token_ids=[3, 4], logprobs=[TokenLogprob(token_id=3, token="a", logprob=-0.1, top=top)]
+        ),
+        CompletedEvent(
+            seq=2,
+            finish_reason="stop",
+            stop_reason="\n",
+            usage=Usage(prompt_tokens=2, completion_tokens=2, total_tokens=4, cached_tokens=0),
+            timings=Timings(queue_s=0.1, ttft_s=0.2, tbt_s=0.01, total_s=0.3),
+        ),
         FailedEvent(seq=3, code="engine_error", message="boom"),
     ]
     for e in evs:
@@ -100,7 +112,9 @@ def test_request_contract():
     with pytest.raises(ValueError):
         JobRequest(model="m", prompt="x", best_of=2)
     r = JobRequest(model="m", prompt=[1, 2], logprobs=True, top_logprobs=2, stop="\n")
-    assert r.sampling_kwargs()["logprobs"] == 2 and JobRequest(model="m", prompt="x").sampling_kwargs()["logprobs"] is None
+    assert (
+        r.sampling_kwargs()["logprobs"] == 2 and JobRequest(model="m", prompt="x").sampling_kwargs()["logprobs"] is None
+    )
 
 
 def test_record_round_trip_with_results():
@@ -138,7 +152,9 @@ def test_enqueue_jobs_writes_a_batch_once_even_where_redis_forgot_the_script(tmp
     try:
         client = redis.Redis.from_url(server.url, decode_responses=True)
         keys = Keys("ferrytest-batch")
-        requests = [JobRequest(model="m", prompt=f"p{i}", priority=p) for i, p in enumerate(["high", "normal", "normal"])]
+        requests = [
+            JobRequest(model="m", prompt=f"p{i}", priority=p) for i, p in enumerate(["high", "normal", "normal"])
+        ]
         for attempt in range(2):
             client.script_flush()  # a restarted Redis: the bare EVALSHAs fail, the batch is sent again
             ids = [f"job-{attempt}-{i}" for i in range(3)]

@@ -21,11 +21,44 @@ RENAMED = {
     "chat": {"logprobs": "top_logprobs"},
 }
 NOT_SAMPLING = {
-    "job": {"model", "prompt", "messages", "logprobs", "n", "priority", "ttl_s", "timeout_s", "tenant", "metadata",
-            "webhook", "created_at", "cache_salt"},
-    "completion": {"model", "n", "stream", "stream_options", "logit_bias", "user", "prompt", "echo", "suffix", "best_of"},
-    "chat": {"model", "n", "stream", "stream_options", "logit_bias", "user", "messages", "max_completion_tokens",
-             "logprobs"},
+    "job": {
+        "model",
+        "prompt",
+        "messages",
+        "logprobs",
+        "n",
+        "priority",
+        "ttl_s",
+        "timeout_s",
+        "tenant",
+        "metadata",
+        "webhook",
+        "created_at",
+        "cache_salt",
+    },
+    "completion": {
+        "model",
+        "n",
+        "stream",
+        "stream_options",
+        "logit_bias",
+        "user",
+        "prompt",
+        "echo",
+        "suffix",
+        "best_of",
+    },
+    "chat": {
+        "model",
+        "n",
+        "stream",
+        "stream_options",
+        "logit_bias",
+        "user",
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+    },
 }
 PYDANTIC = {"job": JobRequest, "completion": CompletionRequest, "chat": ChatCompletionRequest}
 BASE = {
@@ -65,7 +98,12 @@ def _scalar_cases(limit: Limit) -> tuple[list, list]:
         bad += [math.inf, -math.inf, math.nan]
     else:
         bad += [1.5]
-    for bound, inclusive, sign in ((limit.ge, True, -1), (limit.gt, False, -1), (limit.le, True, 1), (limit.lt, False, 1)):
+    for bound, inclusive, sign in (
+        (limit.ge, True, -1),
+        (limit.gt, False, -1),
+        (limit.le, True, 1),
+        (limit.lt, False, 1),
+    ):
         if bound is None:
             continue
         inside = bound if inclusive else bound - sign * step

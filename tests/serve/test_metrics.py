@@ -35,7 +35,9 @@ def test_speculative_decoding_counters_and_rates_reach_the_metrics(llama_dir):
     assert got[("ferry_spec_decode_num_drafts_total", ())] == spec.num_drafts
     assert got[("ferry_spec_decode_num_draft_tokens_total", ())] == spec.num_draft_tokens
     assert got[("ferry_spec_decode_num_accepted_tokens_total", ())] == spec.num_accepted_tokens
-    per_position = [got[("ferry_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(3)]
+    per_position = [
+        got[("ferry_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(3)
+    ]
     assert per_position == spec.accepted_per_position and sum(per_position) == spec.num_accepted_tokens
     assert got[("ferry_spec_decode_acceptance_rate", ())] == spec.acceptance_rate
     assert got[("ferry_spec_decode_mean_accepted_length", ())] == spec.mean_accepted_length > 1.0

@@ -100,7 +100,9 @@ def test_step_writes_then_terminal_write_acks_last(env):
     client, keys, _ = env
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
-    assert pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="a", token_ids=[5])], first_token_at=123.0)]) == set()
+    assert (
+        pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="a", token_ids=[5])], first_token_at=123.0)]) == set()
+    )
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1
     final = finish(job.job_id, job.delivery, _done(3), "w1", {"text": "ab"},
                       events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])
@@ -121,7 +123,9 @@ def test_a_seq_written_by_another_worker_means_the_job_is_lost(env):
     assert pub.write([Progress(job.job_id, [mine])]) == set()  # a retry of our own write
     theirs = TokenEvent(seq=2, text="x", token_ids=[9])
     client.xadd(keys.events(job.job_id), {"seq": "2", "type": "token", "data": theirs.model_dump_json()}, id="2-1")
-    lost = pub.write([finish(job.job_id, job.delivery, _done(3), "w1", events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])])
+    lost = pub.write(
+        [finish(job.job_id, job.delivery, _done(3), "w1", events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])]
+    )
     assert lost == {job.job_id}
     assert client.hget(keys.job(job.job_id), "state") == "running"  # nothing after the refused event was written
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1

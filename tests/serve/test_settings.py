@@ -85,9 +85,16 @@ def test_draft_settings(clean_env, tmp_path):
     clean_env.setenv("FERRY_SPECULATIVE_METHOD", "draft")
     clean_env.setenv("FERRY_SPECULATIVE_DRAFT_MODEL", str(tmp_path))
     spec = WorkerSettings().engine.speculative
-    assert (spec.method, spec.draft_model, spec.num_speculative_tokens, spec.measure_speedup) == ("draft", str(tmp_path), 4, True)
+    assert (spec.method, spec.draft_model, spec.num_speculative_tokens, spec.measure_speedup) == (
+        "draft",
+        str(tmp_path),
+        4,
+        True,
+    )
 
 
 def test_code_passes_the_engine_config_nested(clean_env, tmp_path):
-    settings = WorkerSettings(engine={"model": str(tmp_path), "speculative": {"method": "ngram", "num_speculative_tokens": 2}})
+    settings = WorkerSettings(
+        engine={"model": str(tmp_path), "speculative": {"method": "ngram", "num_speculative_tokens": 2}}
+    )
     assert settings.engine.speculative.num_speculative_tokens == 2 and settings.served_model_name == tmp_path.name

@@ -126,7 +126,10 @@ def test_job_runs_to_success_and_streams_every_event(stack):
 
 def test_chat_and_logprobs_jobs(stack):
     c, k = stack.client, stack.keys
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+    ]
     chat_id = enqueue(c, k, messages=messages, max_tokens=8)
     lp_id = enqueue(c, k, prompt=[5, 6, 7, 8], max_tokens=4, logprobs=True, top_logprobs=3)
     chat, lp = wait_terminal(c, k, [chat_id, lp_id])
@@ -321,7 +324,13 @@ def test_kill9_mid_generation_resumes_without_gap(stack):
 
 # Half the SIGTERM test's jobs sample with a seed and penalties: a resumed job must continue on the
 # seed's next draws and count its earlier tokens in the penalties, as an uninterrupted run does.
-_SEEDED = {"temperature": 0.9, "top_p": 0.95, "presence_penalty": 0.5, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
+_SEEDED = {
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.4,
+    "repetition_penalty": 1.2,
+}
 
 
 def test_sigterm_hands_jobs_back_without_waiting_for_the_lease(stack):

@@ -52,7 +52,10 @@ def spec_worker(tmp_path_factory, llama_dir):
 def _metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
-    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line.startswith("ferry_spec_decode"))}
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in lines if line.startswith("ferry_spec_decode"))
+    }
 
 
 def test_speculating_worker_streams_the_greedy_tokens_and_counts_verifications(spec_worker, llama_dir):
@@ -72,6 +75,12 @@ def test_speculating_worker_streams_the_greedy_tokens_and_counts_verifications(s
         assert max(tokens_per_event) == 4  # k + 1 accepted at once
     # 17 tokens: the prompt's step gives 1, then verifications give 4, 4, 4, 4 (all accepted).
     assert metrics["ferry_spec_decode_num_drafts_total"] == 4 * len(PROMPTS)
-    assert metrics["ferry_spec_decode_num_draft_tokens_total"] == metrics["ferry_spec_decode_num_accepted_tokens_total"] == 12 * len(PROMPTS)
-    assert metrics["ferry_spec_decode_acceptance_rate"] == 1.0 and metrics["ferry_spec_decode_mean_accepted_length"] == 4.0
+    assert (
+        metrics["ferry_spec_decode_num_draft_tokens_total"]
+        == metrics["ferry_spec_decode_num_accepted_tokens_total"]
+        == 12 * len(PROMPTS)
+    )
+    assert (
+        metrics["ferry_spec_decode_acceptance_rate"] == 1.0 and metrics["ferry_spec_decode_mean_accepted_length"] == 4.0
+    )
     assert metrics['ferry_spec_decode_num_accepted_tokens_per_pos_total{position="2"}'] == 4 * len(PROMPTS)

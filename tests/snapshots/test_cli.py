@@ -9,7 +9,16 @@ from worker.cli import main as ferry
 
 def test_save_inspect_load(llama_dir, tmp_path, capsys):
     url = (tmp_path / "snaps").as_uri()
-    engine = ["--model", str(llama_dir), "--block-size", "4", "--kv-cache-bytes", str(64 * 2048), "--max-model-len", "128"]
+    engine = [
+        "--model",
+        str(llama_dir),
+        "--block-size",
+        "4",
+        "--kv-cache-bytes",
+        str(64 * 2048),
+        "--max-model-len",
+        "128",
+    ]
     system = "You are Ferry's helpful assistant. Answer briefly and cite the docs."
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("The quick brown fox jumps over the lazy dog. " * 3)

@@ -40,7 +40,9 @@ def warm_engine(make_engine, *prompts, **kwargs):
 
 
 def cold_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "worker.snapshots.restore" and r.levelno == logging.WARNING]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "worker.snapshots.restore" and r.levelno == logging.WARNING
+    ]
 
 
 def test_round_trip_restores_blocks_kv_and_outputs(make_engine, restored_engine, url):

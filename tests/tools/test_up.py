@@ -66,7 +66,9 @@ def test_up_demo_streams_completions_and_stops_cleanly(tmp_path):
 
 def test_up_starts_redis_when_none_answers_and_sigterm_stops_everything(tmp_path, llama_dir):
     redis_port = free_port()
-    env = up_env(tmp_path, new_prefix(), FERRY_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0", FERRY_MODEL=str(llama_dir))
+    env = up_env(
+        tmp_path, new_prefix(), FERRY_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0", FERRY_MODEL=str(llama_dir)
+    )
     up = subprocess.Popen([sys.executable, "-m", "worker.cli", "up"], env=env, cwd=tmp_path,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

@@ -19,16 +19,21 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # no proposals while this many requests run (compute-bound steps)
     min_acceptance_rate: float = 0.2  # a request whose recent acceptance falls below this pauses proposing
     pause_steps: int = 16  # steps a request goes without proposals after poor acceptance
-    measure_speedup: bool = True  # propose only while measured decode steps run faster with proposals (spec_governor.py)
+    measure_speedup: bool = (
+        True  # propose only while measured decode steps run faster with proposals (spec_governor.py)
+    )
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (a checkpoint directory)")

@@ -119,7 +119,9 @@ class Engine:
         limit = self.arch.max_position_embeddings
         if self.arch.sliding_window and self.arch.sliding_window < limit:
             # Ferry attends over the whole context; capping at the window keeps results exact.
-            log.warning("model uses a sliding window of %d tokens: max_model_len capped to it", self.arch.sliding_window)
+            log.warning(
+                "model uses a sliding window of %d tokens: max_model_len capped to it", self.arch.sliding_window
+            )
             limit = self.arch.sliding_window
         wanted = self.config.max_model_len
         if wanted is None:

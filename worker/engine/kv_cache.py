@@ -84,7 +84,9 @@ class KVCacheManager:
         # Free blocks in eviction order (front = next to reuse). Uncached blocks go to the front,
         # cached ones to the back, so a cached prefix survives as long as possible.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.num_cached_free = 0  # free blocks that still hold a cached prefix (kept as they change: usage() is per step)
+        self.num_cached_free = (
+            0  # free blocks that still hold a cached prefix (kept as they change: usage() is per step)
+        )
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
 

@@ -37,7 +37,9 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts: give one or one per prompt")
+                raise ValueError(
+                    f"{len(params)} sampling_params for {len(prompts)} prompts: give one or one per prompt"
+                )
         ids = []
         prompt_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         try:
@@ -62,7 +64,9 @@ class LLM:
         prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], prompts: list, prompt_ids: list[list[int]], use_tqdm: bool) -> list[CompletionOutput]:
+    def _run(
+        self, ids: list[str], prompts: list, prompt_ids: list[list[int]], use_tqdm: bool
+    ) -> list[CompletionOutput]:
         collected: dict[str, list[RequestOutput]] = {i: [] for i in ids}
         pending = set(ids)
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:

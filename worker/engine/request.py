@@ -16,7 +16,9 @@ class SpecState:
     """A request's speculative-decoding state: this step's proposals and what the proposer keeps."""
 
     token_ids: list[int] = field(default_factory=list)  # proposals to verify this step; not in all_token_ids
-    draft_probs: torch.Tensor | None = None  # [len(token_ids), vocab] the draft distribution each was drawn from; None = point masses
+    draft_probs: torch.Tensor | None = (
+        None  # [len(token_ids), vocab] the draft distribution each was drawn from; None = point masses
+    )
     num_draft_computed: int = 0  # leading tokens whose KV the draft model holds (draft method)
     acceptance: float = 1.0  # running mean of accepted / proposed over recent verifications
     paused_steps: int = 0  # steps left without proposals after poor acceptance

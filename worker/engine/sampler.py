@@ -74,7 +74,9 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Row]) -> torch.Tens
             logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
             out = torch.tensor(request.output_token_ids, dtype=torch.int64).clamp_(0, vocab - 1)
-            counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(
+                0, out, torch.ones_like(out, dtype=logits.dtype)
+            )
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 

@@ -20,7 +20,9 @@ from worker.engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class SchedulerOutput:
     requests: list[Request]  # scheduled this step, in batch order
-    num_scheduled_tokens: list[int]  # tokens each one computes this step, speculative ones included (aligned with requests)
+    num_scheduled_tokens: list[
+        int
+    ]  # tokens each one computes this step, speculative ones included (aligned with requests)
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
 
     @property

@@ -178,13 +178,17 @@ def load_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: tor
                     if target == "lm_head" and model.lm_head is None:
                         continue  # tied: the embedding is the head
                     if target not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured")
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured"
+                        )
                     tensor = f.get_tensor(name)
                     dest = params[target].data
                     if shard is not None:
                         dest = dest[_shard_rows(arch, shard)]
                     if tuple(dest.shape) != tuple(tensor.shape):
-                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                        )
                     dest.copy_(tensor.to(dtype))
                     filled[target] += tensor.shape[0]
             bar.update()

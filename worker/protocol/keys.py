@@ -1,25 +1,11 @@
 """Every Redis key and channel name Ferry uses, under one configurable prefix (default `ferry`).
 
-| name                               | type             | written by      | use |
-|------------------------------------|------------------|-----------------|-----|
-| `{p}:q:{model}:{high,normal,low}`  | stream, group `workers` | api (XADD), worker (XACK+XDEL) | job envelopes `{job_id, attempt}` for one served model; XLEN = jobs waiting + in flight |
-| `{p}:job:{id}`                     | hash             | api, worker     | the job record (`protocol.JobRecord`); EXPIRE after a terminal state |
-| `{p}:job:{id}:events`              | stream           | worker (api for a queued cancel) | every event in order; entry id is `{seq}-1` |
-| `{p}:job:{id}`                     | pub/sub channel  | worker          | the same events, live (JSON of `protocol.Event`) |
-| `{p}:idem:{tenant}:{key}`          | string, NX EX    | api             | idempotency key -> job id |
-| `{p}:cancel`                       | pub/sub channel  | api             | cancel wake-up: the message is the job id; the flag is `cancel` on the job hash |
-| `{p}:dlq`                          | stream           | worker          | poison jobs: `{job_id, reason, code, message, attempts, worker_id}` |
-| `{p}:worker:{id}`                  | hash, EX         | worker          | heartbeat: `model`, `load`, `running`, `waiting`, `fingerprint`, `ts` |
-| `{p}:workers`                      | sorted set       | worker          | worker id -> unix time of its last heartbeat |
-| `{p}:models`                       | sorted set       | worker          | served model name -> unix time of its last heartbeat (`/v1/models`) |
-| `{p}:webhooks:watch`               | hash             | api, relay      | job id -> "<last event stream id> <registered unix ts>" for jobs with a webhook whose terminal event is not relayed yet |
-| `{p}:webhooks:sent:{job}:{event}`  | string NX EX     | relay           | an event was handed to Celery once (relay restarts never enqueue it twice) |
-| `{p}:webhooks:deliveries:{job}`    | hash, EX         | webhook worker  | event name -> JSON outcome (webhook id, outcome, status code, attempts) |
-| `{p}:webhooks`                     | Celery queue     | relay, Celery   | webhook delivery tasks |
-| `{p}:celery:*`                     | Celery's keys    | Celery          | broker keys (`global_keyprefix`) |
-
-Redis pub/sub channels and keys live in separate namespaces, so a job's hash and its channel share
-one name on purpose.
+docs/architecture.md tables them with their types, writers and uses. In short: per model, one
+queue stream per priority (`{p}:q:{model}:{priority}`); per job, a hash (`{p}:job:{id}`), an
+event stream (`{p}:job:{id}:events`) and a pub/sub channel (`{p}:job:{id}`: channels and keys
+are separate namespaces, so the hash and the channel share a name on purpose); idempotency keys;
+the cancel channel; the dead-letter stream; worker heartbeats; the webhook relay's bookkeeping;
+Celery's broker keys under `{p}:celery:`.
 """
 
 from __future__ import annotations

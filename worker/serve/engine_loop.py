@@ -100,7 +100,9 @@ class EngineLoop:
         self.worker_id = worker_id
         self.metrics = metrics
         self.submit = submit
-        self.idle_task = idle_task  # run between jobs only (a periodic snapshot): a running job's step never waits on it
+        self.idle_task = (
+            idle_task  # run between jobs only (a periodic snapshot): a running job's step never waits on it
+        )
         self.runs: dict[str, _Run] = {}
         self.stats: EngineStats | None = None  # latest, replaced whole (read by other threads)
         self.stop = threading.Event()
@@ -230,7 +232,9 @@ class EngineLoop:
             return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
         resume = Resume(resumed, len(job.resume.text)) if resumed else None
         try:
-            self.engine.add_request(job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority], resume=resume)
+            self.engine.add_request(
+                job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority], resume=resume
+            )
         except ValueError as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
         except Exception as exc:
@@ -278,8 +282,13 @@ class EngineLoop:
     def _complete(self, run: _Run, finish_reason: str, stop_reason, itls: list[float]) -> Finish:
         for itl in itls:
             self.metrics.itl.observe(itl)
-        event = CompletedEvent(seq=run.seq(), finish_reason=finish_reason, stop_reason=stop_reason, usage=self._usage(run),
-                               timings=self._timings(run))
+        event = CompletedEvent(
+            seq=run.seq(),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            usage=self._usage(run),
+            timings=self._timings(run),
+        )
         return self._end(run, event)
 
     def _fail(self, job_id: str, code: str, message: str) -> Finish:

@@ -123,7 +123,11 @@ class Consumer:
         read, missing = self._read(keys=self.streams, args=[self.keys.group, self.worker_id, room])
         if missing:
             self.ensure_groups()
-        return [Delivery(stream, entry_id, pairs_to_dict(fields)) for stream, entries in read for entry_id, fields in entries]
+        return [
+            Delivery(stream, entry_id, pairs_to_dict(fields))
+            for stream, entries in read
+            for entry_id, fields in entries
+        ]
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None) -> list[Delivery]:
         try:
@@ -133,7 +137,11 @@ class Consumer:
                 raise
             self.ensure_groups()  # Redis restarted empty, or someone deleted the stream
             return []
-        return [Delivery(stream, entry_id, fields or {}) for stream, entries in (answer or []) for entry_id, fields in entries]
+        return [
+            Delivery(stream, entry_id, fields or {})
+            for stream, entries in (answer or [])
+            for entry_id, fields in entries
+        ]
 
     def reap(self, room: int, held: set[str]) -> list[Delivery]:
         """Claim up to `room` entries idle longer than the lease (their worker is gone)."""
@@ -210,8 +218,14 @@ class Consumer:
     def _decide(self, c: _Candidate, job: dict[str, str], entries: list) -> JobStart | JobWrite:
         d, job_id, now = c.delivery, c.job_id, time.time()
         if not job:
-            return self._dead_letter(None, d, ErrorCode.JOB_NOT_FOUND, f"job {job_id} does not exist (expired or never written)",
-                                     attempts=0, job_id=job_id)
+            return self._dead_letter(
+                None,
+                d,
+                ErrorCode.JOB_NOT_FOUND,
+                f"job {job_id} does not exist (expired or never written)",
+                attempts=0,
+                job_id=job_id,
+            )
         events = [event_from_fields(fields) for _, fields in entries]
         if job.get("state") in TERMINAL_STATES or (events and events[-1].type in TERMINAL_EVENT_TYPES):
             return Discard(d)  # settled already (e.g. cancelled while queued)
@@ -222,8 +236,12 @@ class Consumer:
         try:
             request = JobRequest.model_validate_json(job.get("request", ""))
         except ValidationError as exc:
-            return finish(job_id, d, FailedEvent(seq=next_seq, code=ErrorCode.INVALID_REQUEST, message=_validation_summary(exc)),
-                             self.worker_id)
+            return finish(
+                job_id,
+                d,
+                FailedEvent(seq=next_seq, code=ErrorCode.INVALID_REQUEST, message=_validation_summary(exc)),
+                self.worker_id,
+            )
         if job.get("cancel") == "1":
             return finish(job_id, d, CancelledEvent(seq=next_seq), self.worker_id)
         if attempts >= self.settings.max_attempts:
@@ -233,7 +251,9 @@ class Consumer:
         ttl = request.ttl_s or self.settings.job_ttl_s
         if started_at is None and now > request.created_at + ttl:
             message = f"waited {now - request.created_at:.1f}s in the queue, more than ttl_s={ttl:g}"
-            return finish(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.TTL_EXPIRED, message=message), self.worker_id)
+            return finish(
+                job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.TTL_EXPIRED, message=message), self.worker_id
+            )
         timeout = request.timeout_s or self.settings.job_timeout_s
         if started_at is not None and now > started_at + timeout:
             message = f"ran longer than timeout_s={timeout:g}"

@@ -69,7 +69,9 @@ class Worker:
         self.fingerprint = ""
         self.consumer = Consumer(self.client, self.keys, settings, self.worker_id)
         self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s)
-        self.publisher_thread = PublisherThread(self.publisher, self._on_written, self.stop, settings.redis_backoff_max_s)
+        self.publisher_thread = PublisherThread(
+            self.publisher, self._on_written, self.stop, settings.redis_backoff_max_s
+        )
 
     # --- process -------------------------------------------------------------------------------
 
@@ -141,7 +143,10 @@ class Worker:
         while not self.draining.wait(0.1):
             if self.leases or self.runner.runs or self.runner.arriving:
                 idle_since = time.monotonic()
-            elif self.settings.idle_timeout_s is not None and time.monotonic() - idle_since > self.settings.idle_timeout_s:
+            elif (
+                self.settings.idle_timeout_s is not None
+                and time.monotonic() - idle_since > self.settings.idle_timeout_s
+            ):
                 self._begin_drain("idle")
 
     def _begin_drain(self, reason: str) -> None:
@@ -296,7 +301,9 @@ class Worker:
                 continue
             if isinstance(w, Finish):
                 self.metrics.jobs.labels(w.state).inc()
-                log.info("job finished", extra={"job_id": w.job_id, "state": w.state, "code": w.result.get("error_code")})
+                log.info(
+                    "job finished", extra={"job_id": w.job_id, "state": w.state, "code": w.result.get("error_code")}
+                )
             else:
                 self.metrics.handed_back.inc()
                 log.info("job handed back", extra={"job_id": w.job_id})

@@ -90,7 +90,9 @@ def _save(args: argparse.Namespace) -> int:
     prompts += [engine.apply_chat_template([{"role": "system", "content": s}], add_generation_prompt=False)
                 for s in args.system]
     if not prompts and not args.source:
-        print("ferry snapshot save: nothing to cache: give --prompt, --prompt-file, --system or --from", file=sys.stderr)
+        print(
+            "ferry snapshot save: nothing to cache: give --prompt, --prompt-file, --system or --from", file=sys.stderr
+        )
         return 2
     # One generated token per prompt: computing the prompt is what fills the cache.
     for i, tokens in enumerate(prompts):

@@ -1,9 +1,9 @@
 """What a snapshot is in a store: shards of KV, a manifest describing them, and a pointer.
 
-    snapshots/<utc time>-<random>/shard-00000.safetensors   one tensor "kv": [layers, 2, n, kv heads, block size, head dim]
-    snapshots/<utc time>-<random>/manifest.json             fingerprint, blocks (key, parent key, tokens, hits,
-                                                            last use, shard, index), shards (name, size, sha256)
-    latest.json                                             pointer: snapshot dir + manifest sha256, written last
+    snapshots/<utc time>-<random>/shard-00000.safetensors  one tensor "kv": [layers, 2, n, kv heads, slot, head dim]
+    snapshots/<utc time>-<random>/manifest.json            fingerprint, blocks (key, parent key, tokens, hits,
+                                                           last use, shard, index), shards (name, size, sha256)
+    latest.json                                            pointer: snapshot dir + manifest sha256, written last
 
 Shards go up first, then the manifest, then the pointer, so a reader never sees half a snapshot
 and a failed save leaves the previous one in place.

@@ -48,7 +48,9 @@ def read_manifest(store: SnapshotStore) -> tuple[str, Manifest]:
     try:
         version = json.loads(data).get("format_version")
         if version != FORMAT_VERSION:
-            raise SnapshotError("foreign", f"{store.url}/{key} has snapshot format {version}, this Ferry reads {FORMAT_VERSION}")
+            raise SnapshotError(
+                "foreign", f"{store.url}/{key} has snapshot format {version}, this Ferry reads {FORMAT_VERSION}"
+            )
         return key, Manifest.from_json(data)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError("corrupt", f"manifest of {store.url}/{key} is malformed: {exc}") from exc
@@ -84,13 +86,17 @@ def load_snapshot(engine: Engine, url: str | SnapshotStore, progress: bool = Fal
     )
 
 
-def _fetch_shards(engine: Engine, store: SnapshotStore, key: str, manifest: Manifest, progress: bool) -> list[torch.Tensor]:
+def _fetch_shards(
+    engine: Engine, store: SnapshotStore, key: str, manifest: Manifest, progress: bool
+) -> list[torch.Tensor]:
     """Download, verify and load every shard: [layers, 2, n, kv heads, block size, head dim] each."""
     layout = engine.prefix_blocks.layout
     tensors = []
     with (
         tempfile.TemporaryDirectory(prefix="ferry-snapshot-") as tmp,
-        tqdm(total=manifest.num_bytes, desc="downloading snapshot", unit="B", unit_scale=True, disable=not progress) as bar,
+        tqdm(
+            total=manifest.num_bytes, desc="downloading snapshot", unit="B", unit_scale=True, disable=not progress
+        ) as bar,
     ):
         for shard in manifest.shards:
             path = Path(tmp) / Path(shard.name).name
@@ -135,7 +141,9 @@ def _import_blocks(engine: Engine, manifest: Manifest, tensors: list[torch.Tenso
     return imported
 
 
-def restore_snapshot(engine: Engine, url: str | SnapshotStore, stats: SnapshotStats | None = None) -> RestoreResult | None:
+def restore_snapshot(
+    engine: Engine, url: str | SnapshotStore, stats: SnapshotStats | None = None
+) -> RestoreResult | None:
     """`load_snapshot` for start-up: on any failure log one warning, count it in `stats`, start cold."""
     stats = stats if stats is not None else SnapshotStats()
     if not engine.prefix_blocks.enabled:

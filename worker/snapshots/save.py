@@ -75,7 +75,9 @@ def save_snapshot(
     except (StoreError, OSError) as exc:
         stats.saves["failed"] += 1
         _delete_quietly(store, key)
-        raise SnapshotError("unreachable", f"saving a snapshot to {store.url} failed ({exc}); the previous one is intact") from exc
+        raise SnapshotError(
+            "unreachable", f"saving a snapshot to {store.url} failed ({exc}); the previous one is intact"
+        ) from exc
     _prune(store, keep, current=key)
     info = SnapshotInfo(
         url=store.url,

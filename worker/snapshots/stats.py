@@ -34,7 +34,9 @@ class SnapshotCollector:
 
     def collect(self):
         s = self._stats()
-        restores = CounterMetricFamily("ferry_snapshot_restores", "Snapshot restores at start-up by outcome", labels=["outcome"])
+        restores = CounterMetricFamily(
+            "ferry_snapshot_restores", "Snapshot restores at start-up by outcome", labels=["outcome"]
+        )
         for outcome in RESTORE_OUTCOMES:
             restores.add_metric([outcome], s.restores[outcome])
         saves = CounterMetricFamily("ferry_snapshot_saves", "Snapshot saves by outcome", labels=["outcome"])
@@ -42,7 +44,9 @@ class SnapshotCollector:
             saves.add_metric([outcome], s.saves[outcome])
         yield restores
         yield saves
-        yield CounterMetricFamily("ferry_snapshot_restored_blocks", "KV blocks restored from snapshots", value=s.restored_blocks)
+        yield CounterMetricFamily(
+            "ferry_snapshot_restored_blocks", "KV blocks restored from snapshots", value=s.restored_blocks
+        )
         yield CounterMetricFamily("ferry_snapshot_restored_bytes", "Snapshot bytes downloaded and restored",
                                   value=s.restored_bytes)
         yield CounterMetricFamily("ferry_snapshot_saved_blocks", "KV blocks written to snapshots", value=s.saved_blocks)

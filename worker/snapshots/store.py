@@ -168,7 +168,9 @@ class S3Store:
         from botocore.exceptions import ClientError
 
         try:
-            return self._call("read", name, self.client.get_object, Bucket=self.bucket, Key=self._key(name))["Body"].read()
+            return self._call("read", name, self.client.get_object, Bucket=self.bucket, Key=self._key(name))[
+                "Body"
+            ].read()
         except StoreError as exc:
             cause = exc.__cause__
             if isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
@@ -200,7 +202,9 @@ class S3Store:
     def delete(self, names: list[str]) -> None:
         for start in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
             objects = [{"Key": self._key(n)} for n in names[start : start + 1000]]
-            self._call("delete", names[start], self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": objects})
+            self._call(
+                "delete", names[start], self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": objects}
+            )
 
     def _call(self, verb: str, name: str, fn: Callable, *args, **kwargs):
         from boto3.exceptions import Boto3Error
@@ -210,7 +214,9 @@ class S3Store:
             return fn(*args, **kwargs)
         except ClientError as exc:
             error = exc.response.get("Error", {})
-            raise StoreError(f"S3 {verb} {self.url}/{name}: {error.get('Code')} {error.get('Message', '')}".rstrip()) from exc
+            raise StoreError(
+                f"S3 {verb} {self.url}/{name}: {error.get('Code')} {error.get('Message', '')}".rstrip()
+            ) from exc
         except (BotoCoreError, Boto3Error, OSError) as exc:
             raise StoreError(f"S3 {verb} {self.url}/{name}: {exc}") from exc
 

@@ -125,7 +125,9 @@ class Supervisor:
                     child.popen.wait()
             child.pump.join(2.0)
             code = child.popen.returncode
-            self.say("up", f"{child.name} stopped" if code in (0, -signal.SIGTERM) else f"{child.name} exited with {code}")
+            self.say(
+                "up", f"{child.name} stopped" if code in (0, -signal.SIGTERM) else f"{child.name} exited with {code}"
+            )
 
 
 def _ferry(*args: str) -> list[str]:

@@ -50,11 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=relay.run, args=(stop,), name="webhook-relay", daemon=True).start()
     concurrency = args.concurrency or settings.webhook_concurrency
     try:
-        app.worker_main([
-            "worker", "--pool=threads", f"--concurrency={concurrency}", f"--loglevel={args.loglevel}",
-            "-Q", Keys(settings.key_prefix).webhook_queue, "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-n", f"ferry-webhooks-{os.getpid()}@{socket.gethostname()}",
-        ])
+        app.worker_main(
+            [
+                "worker",
+                "--pool=threads",
+                f"--concurrency={concurrency}",
+                f"--loglevel={args.loglevel}",
+                "-Q",
+                Keys(settings.key_prefix).webhook_queue,
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"ferry-webhooks-{os.getpid()}@{socket.gethostname()}",
+            ]
+        )
     finally:
         stop.set()
     return 0

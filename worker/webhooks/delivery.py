@@ -54,7 +54,9 @@ def resolve_target(url: str, allow_private: bool) -> Target:
     if not allow_private:
         private = [str(a) for a in addresses if not _public(a)]
         if private:
-            raise RefusedUrl(f"{parsed.host!r} resolves to non-public address {private[0]} (FERRY_WEBHOOK_ALLOW_PRIVATE is off)")
+            raise RefusedUrl(
+                f"{parsed.host!r} resolves to non-public address {private[0]} (FERRY_WEBHOOK_ALLOW_PRIVATE is off)"
+            )
     host_header = parsed.host if parsed.port is None else f"{parsed.host}:{parsed.port}"
     return Target(
         url=str(parsed.copy_with(host=str(addresses[0]))),
@@ -117,4 +119,6 @@ def attempt_delivery(delivery: WebhookMessage, secret: str, *, allow_private: bo
         return Attempt("gone", code, "receiver answered 410 Gone: no more retries")
     if code == 429 or code >= 500:
         return Attempt("retry", code, f"receiver answered {code}")
-    return Attempt("rejected", code, f"receiver answered {code}" + (" (redirects are not followed)" if 300 <= code < 400 else ""))
+    return Attempt(
+        "rejected", code, f"receiver answered {code}" + (" (redirects are not followed)" if 300 <= code < 400 else "")
+    )

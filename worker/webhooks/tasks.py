@@ -49,7 +49,10 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
         if not settings.webhook_secret:
             raise RuntimeError("FERRY_WEBHOOK_SECRET is not set")
         attempt = attempt_delivery(
-            d, settings.webhook_secret, allow_private=settings.webhook_allow_private, timeout_s=settings.webhook_timeout_s
+            d,
+            settings.webhook_secret,
+            allow_private=settings.webhook_allow_private,
+            timeout_s=settings.webhook_timeout_s,
         )
         log.info("webhook %s %s -> %s attempt %d: %s", d.event, d.job_id, d.url, number, attempt.detail)
         if attempt.outcome == "retry" and number < settings.webhook_max_attempts:

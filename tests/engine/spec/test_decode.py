@@ -36,7 +36,9 @@ def chi_square_p_value(counts: dict, probs: dict, n: int) -> float:
         expected.append(rest_expected)
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
     df = len(expected) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 # --- configuration and the pieces ------------------------------------------------------------------
@@ -64,7 +66,11 @@ def test_bad_speculative_config_raises(speculative, message):
 
 def test_speculative_config_takes_ngram_max():
     cfg = EngineConfig(model="m", speculative={"method": "ngram", "num_speculative_tokens": 3, "ngram_max": 2})
-    assert (cfg.speculative.method, cfg.speculative.num_speculative_tokens, cfg.speculative.prompt_lookup_max) == ("ngram", 3, 2)
+    assert (cfg.speculative.method, cfg.speculative.num_speculative_tokens, cfg.speculative.prompt_lookup_max) == (
+        "ngram",
+        3,
+        2,
+    )
 
 
 def test_prompt_lookup_continues_the_latest_longest_match():
@@ -170,7 +176,10 @@ def test_proposals_count_in_the_budget_and_get_lookahead_slots_never_cached():
     b.spec.token_ids = [5, 6]
     out = sched.schedule()
     # a: 1 + 4 = 5 tokens, positions 3..7 -> blocks [0, 2]; b gets the last token of budget, no proposals.
-    assert list(zip([r.request_id for r in out.requests], out.num_scheduled_tokens, strict=True)) == [("a", 5), ("b", 1)]
+    assert list(zip([r.request_id for r in out.requests], out.num_scheduled_tokens, strict=True)) == [
+        ("a", 5),
+        ("b", 1),
+    ]
     assert (a.spec.token_ids, b.spec.token_ids) == ([1, 2, 3, 4], [])
     assert (a.block_ids, b.block_ids) == ([0, 2], [1])
     # Block 0 is full of known tokens and is cached; block 2 holds only proposals and is not.
@@ -584,7 +593,9 @@ def test_greedy_output_is_identical_for_every_architecture(tiny_model_factory, a
 def test_stop_conditions_cut_an_accepted_run(target):
     """With the target as its own draft nearly every proposal is accepted: stops fall inside runs."""
     base_engine = Engine(target)
-    spec_engine = Engine(target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4, **EVERY_STEP})
+    spec_engine = Engine(
+        target, speculative={"method": "draft", "draft_model": target, "num_speculative_tokens": 4, **EVERY_STEP}
+    )
     prompt = [5, 6, 7, 8, 9]
     base = _run_one(base_engine, "base", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     stop_token = base["tokens"][5]

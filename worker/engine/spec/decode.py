@@ -258,7 +258,9 @@ def _accept_sampled(request: Request, rows: list[SamplingRow], p: torch.Tensor) 
         # u < p(d) / q(d), written without the division (q(d) > 0: d was drawn from q).
         if float(torch.rand((), generator=request.generator)) * q_token < p_token:
             continue
-        residual = p[i].clone().index_fill_(0, torch.tensor([token]), 0.0) if q is None else (p[i] - q[i]).clamp_(min=0.0)
+        residual = (
+            p[i].clone().index_fill_(0, torch.tensor([token]), 0.0) if q is None else (p[i] - q[i]).clamp_(min=0.0)
+        )
         if not float(residual.sum()) > 0.0:
             residual = p[i]  # p == q up to rounding: a rejection has probability ~0, any draw from p is right
         # draw() races unnormalised weights: normalising the residual would not change the winner.

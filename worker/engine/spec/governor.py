@@ -61,7 +61,8 @@ _STALL = 3.0  # a step this many times its side's median took was stalled from o
 
 @dataclass(slots=True)
 class _Side:
-    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_RECENT))  # (tokens, seconds) of recent steps
+    # (tokens, seconds) of recent steps
+    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_RECENT))
     samples: int = 0  # steps measured in all
     rate: float = 0.0  # tokens per second of the recent steps (see add), kept: every step's decision reads it
 

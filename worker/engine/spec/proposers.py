@@ -75,7 +75,8 @@ def load_draft(
     arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
     if arch.max_position_embeddings < max_model_len:
         raise ValueError(
-            f"draft model {path.name} supports {arch.max_position_embeddings} positions, below max_model_len={max_model_len}"
+            f"draft model {path.name} supports {arch.max_position_embeddings} positions, "
+            f"below max_model_len={max_model_len}"
         )
     _check_same_tokens(path, arch, target, target_tokenizer)
     return load_model(path, arch, dtype, device, max_model_len), arch
@@ -106,7 +107,9 @@ class DraftProposer:
     computed (`request.spec.num_draft_computed`, cut back to the verified tokens each step), never
     for prefix-cache hits, whose blocks may hold another request's or no draft KV."""
 
-    def __init__(self, model, arch: ModelArch, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype, device, vocab_size: int) -> None:
+    def __init__(
+        self, model, arch: ModelArch, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype, device, vocab_size: int
+    ) -> None:
         self.runner = ModelRunner(model, arch, num_blocks, kv.block_size, dtype, device)
         self.kv = kv
         self.vocab_size = vocab_size  # the target's: q must be over the same ids as p
@@ -174,7 +177,11 @@ class DraftProposer:
         the [vocab] race noise of a seeded request's position, else None."""
         vocab = logits.shape[-1]
         # Checkpoints pad their embeddings differently: ids past the target's are never proposed.
-        logits = logits[:, : self.vocab_size] if vocab >= self.vocab_size else F.pad(logits, (0, self.vocab_size - vocab), value=float("-inf"))
+        logits = (
+            logits[:, : self.vocab_size]
+            if vocab >= self.vocab_size
+            else F.pad(logits, (0, self.vocab_size - vocab), value=float("-inf"))
+        )
         adjust_logits(logits, rows)
         tokens = logits.argmax(dim=-1)
         dists: list[torch.Tensor | None] = [None] * len(rows)
