@@ -9,8 +9,26 @@ lists and caches it on the object, so 30 layers do not re-plan 30 times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the backends import this module; their plan types are named here for readers only
+    from kernels.cpu.native import ShortQueryPlan
+    from kernels.reference import GatherPlan
+    from kernels.triton.paged_attention_kernel import TritonPlan
+
+
+@dataclass
+class BackendPlans:
+    """What each attention backend derives from one step's metadata, once for all layers."""
+
+    torch: dict[int, GatherPlan] = field(default_factory=dict)  # the reference's gather plans, by min_query_len
+    cpu: ShortQueryPlan | None = None  # the native backend's split into short and long query runs
+    triton: TritonPlan | None = None  # the Triton kernel's work lists
+    # Scratch buffers the reference reuses; the model runner passes one dict for its lifetime, so
+    # they outlive the step (a bare call gets a dict for this step only).
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -23,7 +41,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]  # host copy of seq_lens
     max_query_len: int
     max_seq_len: int
-    backend_cache: dict[str, object] = field(default_factory=dict)  # per-backend plans, built lazily
+    plans: BackendPlans = field(default_factory=BackendPlans)  # per-backend plans, built lazily
 
     @property
     def num_seqs(self) -> int:

@@ -59,7 +59,7 @@ class _PrefillSeq:
 
 
 @dataclass
-class _CpuPlan:
+class GatherPlan:
     decode: list[_DecodeBucket]
     prefill: list[_PrefillSeq]
 
@@ -70,11 +70,10 @@ def _tile_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (block_ids.to(torch.int64)[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
 
 
-def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int) -> _CpuPlan:
+def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int) -> GatherPlan:
     """Gather plan for the sequences whose query run is at least min_query_len tokens long."""
-    cache_key = f"torch:{min_query_len}"
-    cached = meta.backend_cache.get(cache_key)
-    if isinstance(cached, _CpuPlan):
+    cached = meta.plans.torch.get(min_query_len)
+    if cached is not None:
         return cached
     bs = meta.block_size
     tables = meta.block_tables.cpu()
@@ -112,8 +111,8 @@ def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int) -> _Cp
         seq_len = meta.seq_lens_host[i]
         num_blocks = -(-seq_len // bs)
         prefill.append(_PrefillSeq(starts[i], q, seq_len, _tile_index(tables[i : i + 1, :num_blocks], num_kv_heads)))
-    plan = _CpuPlan(decode, prefill)
-    meta.backend_cache[cache_key] = plan
+    plan = GatherPlan(decode, prefill)
+    meta.plans.torch[min_query_len] = plan
     return plan
 
 
@@ -170,9 +169,7 @@ def attend(
     if out is None:
         out = torch.empty_like(q)
     plan = _plan(meta, num_kv_heads, min_query_len)
-    # Buffers live as long as the metadata's owner wants: the model runner passes one dict for
-    # its lifetime, a bare call gets one for this step.
-    workspace = meta.backend_cache.setdefault("workspace", {})
+    workspace = meta.plans.workspace
     for bucket in plan.decode:
         n = bucket.token_index.numel()
         k = _gather(k_cache, bucket.tile_index, n, bucket.num_blocks, workspace, "k")

@@ -93,14 +93,19 @@ def available() -> bool:
     return load() is not None
 
 
-def _short_sequences(meta: AttentionMetadata) -> tuple[torch.Tensor, bool]:
-    """This step's sequences with a short query run (native), and whether any others exist."""
-    cached = meta.backend_cache.get("cpu")
-    if cached is None:
+@dataclass(frozen=True, slots=True)
+class ShortQueryPlan:
+    """One step's sequences split by query length: the native kernel takes the short runs."""
+
+    short: torch.Tensor  # [n] int64: sequences with at most SHORT_QUERY_MAX query tokens
+    has_long: bool  # whether any other sequence exists (the reference computes those)
+
+
+def _short_sequences(meta: AttentionMetadata) -> ShortQueryPlan:
+    if meta.plans.cpu is None:
         short = [i for i, q in enumerate(meta.query_lens_host) if q <= SHORT_QUERY_MAX]
-        cached = (torch.tensor(short, dtype=torch.int64), len(short) < meta.num_seqs)
-        meta.backend_cache["cpu"] = cached
-    return cached
+        meta.plans.cpu = ShortQueryPlan(torch.tensor(short, dtype=torch.int64), len(short) < meta.num_seqs)
+    return meta.plans.cpu
 
 
 def paged_attention(
@@ -119,7 +124,8 @@ def paged_attention(
         q = q.contiguous()
     if out is None or not out.is_contiguous():
         out = torch.empty_like(q)
-    short, has_long = _short_sequences(meta)
+    plan = _short_sequences(meta)
+    short, has_long = plan.short, plan.has_long
     if short.numel():
         module.paged_attention_short(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, short, scale, out
@@ -260,7 +266,8 @@ class DecoderStack:
         slot_mapping: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:  # [num_tokens, hidden], final-normed; None: not a short-query step
-        short, has_long = _short_sequences(meta)
+        plan = _short_sequences(meta)
+        short, has_long = plan.short, plan.has_long
         if has_long or x.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
             return None
         return self._native.forward(

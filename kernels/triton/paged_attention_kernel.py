@@ -258,8 +258,8 @@ class _LaunchConfig:
 
 
 @dataclass
-class _TritonPlan:
-    """Per-step work lists, shared by every layer of the step (cached in meta.backend_cache)."""
+class TritonPlan:
+    """Per-step work lists, shared by every layer of the step (kept in meta.plans.triton)."""
 
     work: dict[int, torch.Tensor] = field(default_factory=dict)  # block_q -> [num_work, 2] int32
 
@@ -277,10 +277,9 @@ def _launch_config(meta: AttentionMetadata, group: int, head_dim_pad: int) -> _L
 
 def _work(meta: AttentionMetadata, block_q: int) -> torch.Tensor:
     """(sequence, query block) pairs, the longest context first so the GPU's last wave is short."""
-    plan = meta.backend_cache.get("triton")
-    if not isinstance(plan, _TritonPlan):
-        plan = _TritonPlan()
-        meta.backend_cache["triton"] = plan
+    plan = meta.plans.triton
+    if plan is None:
+        plan = meta.plans.triton = TritonPlan()
     cached = plan.work.get(block_q)
     if cached is not None:
         return cached

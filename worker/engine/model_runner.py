@@ -81,7 +81,7 @@ class ModelRunner:
             logits_indices.extend(range(len(input_ids) - chunk.num_logits, len(input_ids)))
         dev = self.device
         attention = AttentionMetadata.build(query_lens, seq_lens, tables, bs, dev)
-        attention.backend_cache["workspace"] = self._attention_workspace
+        attention.plans.workspace = self._attention_workspace
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),

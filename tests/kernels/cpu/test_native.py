@@ -13,6 +13,7 @@ from transformers import AutoConfig
 import kernels
 from kernels import reference
 from kernels.cpu import native as cpu_native
+from kernels.metadata import BackendPlans
 from tests.kernels.triton.test_paged_attention import BATCHES, make_case
 from worker.models.config import ModelArch
 
@@ -28,7 +29,7 @@ def native():
 
 def reference_and_native(q, k_cache, v_cache, meta, scale=0.125):
     expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
-    meta.backend_cache.clear()
+    meta.plans = BackendPlans()
     got = cpu_native.paged_attention(q, k_cache, v_cache, meta, scale)
     return expected, got
 
@@ -73,7 +74,7 @@ def test_writes_only_its_rows_into_out():
     result = cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any()
-    meta.backend_cache.clear()
+    meta.plans = BackendPlans()
     torch.testing.assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, 0.125), rtol=0, atol=2e-5)
 
 
@@ -82,7 +83,7 @@ def test_default_cpu_dispatch_is_native(monkeypatch):
     q, k_cache, v_cache, meta = make_case(*BATCHES["decode"], num_heads=4, num_kv_heads=2, seed=4)
     assert kernels.backend_for(q) == "cpu"
     dispatched = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
-    meta.backend_cache.clear()
+    meta.plans = BackendPlans()
     assert torch.equal(dispatched, cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125))
 
 

@@ -174,9 +174,9 @@ def test_strided_views(device, run):
 def check_plan_reuse(device) -> None:
     q, k_cache, v_cache, meta = make_case(*BATCHES["decode"], num_heads=4, num_kv_heads=2, device=device, seed=13)
     first = paged_attention(q, k_cache, v_cache, meta, 0.125)
-    plan = meta.backend_cache["triton"]
+    plan = meta.plans.triton
     second = paged_attention(q, k_cache, v_cache, meta, 0.125)  # the next layer of the same step
-    assert meta.backend_cache["triton"] is plan
+    assert meta.plans.triton is plan
     assert torch.equal(first, second)
 
 
