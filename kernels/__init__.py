@@ -54,7 +54,7 @@ def backend_for(tensor: torch.Tensor) -> str:
 @contextmanager
 def pinned_backend(tensor: torch.Tensor) -> Iterator[str]:
     """Resolve the backend once for a whole forward pass: every call inside it (a few hundred per
-    step) then skips the environment lookup, which at batch 1 cost 2% of a CPU step."""
+    step) then skips the environment lookup, a visible share of a batch-1 CPU step."""
     outer = getattr(_pinned, "backend", None)
     _pinned.backend = outer or _resolve(tensor)
     try:

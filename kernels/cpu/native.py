@@ -249,8 +249,8 @@ def linear(
 class DecoderStack:
     """Every decoder layer plus the final norm in one native call (`csrc/decoder_stack_cpu.cpp`),
     for steps whose sequences all have short query runs: decode and speculative verification.
-    At batch 1 the ~270 per-layer kernel calls from Python cost about 15% of a float32 step;
-    here the same kernels run back to back, so outputs do not change. Other steps (a prefill
+    At batch 1 the per-layer kernel calls from Python (several hundred) are a large share of a
+    float32 step; here the same kernels run back to back, so outputs do not change. Other steps (a prefill
     chunk longer than `SHORT_QUERY_MAX`) keep the per-layer path: `forward` returns None."""
 
     def __init__(self, native, num_layers: int) -> None:

@@ -233,8 +233,7 @@ class Worker:
     def _take_safely(self, deliveries: list[Delivery]) -> None:
         """Start `deliveries` in two chunks: the engine may begin a step with the first while the
         rest are prepared (it waits for them only while its next step is not full). The rest go
-        together: each chunk costs two round trips and a hand-over to the engine thread, and a
-        32-job burst took 1.1 ms a chunk of 8 to start."""
+        together: each chunk costs two round trips and a hand-over to the engine thread."""
         pending = len(deliveries)
         self.runner.announce(pending)
         try:

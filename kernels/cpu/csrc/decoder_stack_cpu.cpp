@@ -1,10 +1,10 @@
 // Every decoder layer of a Llama-family model in one native call, for steps whose sequences all
 // have short query runs (decode, speculative verification).
 //
-// Why: at batch 1 a float32 step on this CPU is one streaming read of the weights (the packed
+// Why: at batch 1 a float32 step on a CPU is one streaming read of the weights (the packed
 // products) plus ~270 small calls (9 per layer: norms, rotary + KV write, attention, silu * up,
 // the four products). From Python each call costs a module call, the dispatch, argument
-// conversion and a tensor allocation: about 15% of the step. Here the same kernels run back to
+// conversion and a tensor allocation: a large share of the step. Here the same kernels run back to
 // back from C++, with the layer's tensors held once instead of passed per call.
 //
 // The math is exactly worker/models/llama.py's DecoderLayer (same kernels, same order), so a

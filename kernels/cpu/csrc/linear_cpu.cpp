@@ -90,7 +90,7 @@ constexpr int kVectorPanels = 4;
 // it is micro<1>'s sum, in the same order over k, so a row's result does not depend on the batch
 // it came in (speculative verification and plain decode agree to the bit). What differs: 8
 // independent FMA chains and 4 memory streams in flight instead of 2 and 1. A one-row product is
-// one read of W, and with a single panel at a time each core streamed ~20% below what it can
+// one read of W, and with a single panel at a time each core streams well below what it can
 // (a late line stalls a chain that then catches up at one k per FMA latency).
 inline void vector_against_panels(const float* x, const float* panels, int64_t K, const float* bias, float* out) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;

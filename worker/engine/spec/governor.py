@@ -18,21 +18,19 @@ When the running requests turn over (fewer than half of them were running at the
 turnover), each batch size keeps its choice and its measurements, and its probe interval starts
 again from `probe_every`: the new requests' acceptance is unknown, so the slower side is measured
 again soon, but the device, the models and the step's cost per token have not changed, so
-nothing is re-measured from scratch. (Re-measuring both sides for every new batch of requests cost
-a whole draft catch-up and several slow steps each time: 8% of a 256-token batch-8 run.) A server
-that moves from free text to code edits switches within a probe interval, and speculating
-requests that stop being accepted are paused one by one (spec_decode) while the speculating side's
-own recent steps show the slowdown.
+nothing is re-measured from scratch (that would cost a whole draft catch-up and several slow
+steps for every new batch of requests). A server that moves from free text to code edits switches
+within a probe interval, and speculating requests that stop being accepted are paused one by one
+(spec_decode) while the speculating side's own recent steps show the slowdown.
 
-A probe costs more than its step's own time, and the governor keeps it to `probe_budget` (2.5%)
-of the time, in two parts (at batch 8 on the demo model one probe costs about three plain steps:
-the 2.5% leaves the batch-8 target, never below 0.95x, room for the machine's noise):
+A probe costs more than its step's own time (a batch-8 probe can cost several plain steps), and
+the governor keeps it to `probe_budget` of the time, in two parts:
 - per batch size, what the last probe's timed steps took beyond what the faster side would
   have for the same tokens: the next probe waits until the faster side has run for 1 /
   `probe_budget` times that;
 - for the whole engine, the catch-up: a draft model that proposed nothing for a while first
-  feeds on every token since, a new request's whole prompt included (eight 120-token prompts
-  took 13 ms against 0.8 ms a plain step here). The governor keeps the last catch-up's seconds
+  feeds on every token since, a new request's whole prompt included (a batch of new prompts can
+  cost many plain steps). The governor keeps the last catch-up's seconds
   per token; the caller says how many tokens the proposer would have to catch up on now. A probe
   or a batch size's first measurement of speculation runs only while that catch-up would cost at
   most `probe_budget` of the plain steps' time since speculation last ran. Where it would cost
@@ -172,8 +170,8 @@ class SpecGovernor:
         """How many plain steps of `batch_size` may follow the decision just made without being
         decided or timed (then `note_quiet`): where plain was chosen, not as a probe, up to the
         next probe's turn (a probe held back by its budget may wait up to `_QUIET_MAX` steps more).
-        A plain step of a tiny model takes a fraction of a millisecond, and deciding and timing
-        it, right after the model's weights went through the caches, cost 5% of it."""
+        A plain step of a tiny model takes a fraction of a millisecond: deciding and timing every
+        one, right after the model's weights went through the caches, would be a visible share of it."""
         bucket = self._buckets.get(batch_size.bit_length())
         if bucket is None or bucket.faster or bucket.probing or bucket.retry:
             return 0
