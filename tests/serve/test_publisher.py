@@ -142,7 +142,7 @@ def test_hand_back_requeues_on_high_and_the_next_worker_resumes(env):
     deliveries = other.read(room=4, block_ms=0)
     assert [d.stream for d in deliveries] == [keys.queue("m", "high")]
     [resumed], _ = other.prepare(deliveries)
-    assert resumed.resume.token_ids == [5, 6] and resumed.resume.text == "ab" and resumed.resume.next_seq == 2
+    assert resumed.streamed.token_ids == [5, 6] and resumed.streamed.text == "ab" and resumed.streamed.next_seq == 2
     assert resumed.attempts == 1 and resumed.delivery.fields["attempt"] == "2"
     events = [event_from_fields(f) for _, f in client.xrange(keys.events(job.job_id))]
     assert [e.type for e in events] == ["started", "token"]  # no second `started`

@@ -212,8 +212,8 @@ class EngineLoop:
 
     def _admit(self, job: JobStart) -> list[JobWrite]:
         req = job.request
-        resumed = job.resume.token_ids
-        run = _Run(job, 0, job.resume.next_seq, list(resumed), [job.resume.text] if job.resume.text else [],
+        resumed = job.streamed.token_ids
+        run = _Run(job, 0, job.streamed.next_seq, list(resumed), [job.streamed.text] if job.streamed.text else [],
                    job.first_token_at)
         self.runs[job.job_id] = run
         try:
@@ -230,7 +230,7 @@ class EngineLoop:
             params = SamplingParams(**req.sampling_kwargs())
         except (ValueError, TypeError) as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
-        resume = Resume(resumed, len(job.resume.text)) if resumed else None
+        resume = Resume(resumed, len(job.streamed.text)) if resumed else None
         try:
             self.engine.add_request(
                 job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority], resume=resume

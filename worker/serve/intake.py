@@ -48,8 +48,8 @@ from worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
 log = logging.getLogger("ferry.worker.intake")
 
 @dataclass(slots=True)
-class Resume:
-    """What the client already has of a re-delivered job."""
+class Streamed:
+    """What the client already has of a re-delivered job (empty for a first delivery)."""
 
     token_ids: list[int]  # generated tokens already in the event stream
     text: str  # text already in the event stream
@@ -67,7 +67,7 @@ class JobStart:
     started_at: float  # unix time the job first started (on any worker)
     first_token_at: float | None  # unix time of its first token, if an earlier attempt had one
     deadline: float  # unix time its execution timeout runs out
-    resume: Resume
+    streamed: Streamed  # what earlier attempts already streamed
 
 
 @dataclass(slots=True)
@@ -260,14 +260,14 @@ class Consumer:
             return finish(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.EXECUTION_TIMEOUT, message=message),
                              self.worker_id)
         tokens = [e for e in events if isinstance(e, TokenEvent)]
-        resume = Resume(
+        streamed = Streamed(
             token_ids=[t for e in tokens for t in e.token_ids],
             text="".join(e.text for e in tokens),
             next_seq=max(next_seq, 1),  # the start writes `started` as seq 0 when the stream is empty
         )
         first_token_at = float(job["first_token_at"]) if "first_token_at" in job else None
         return JobStart(job_id, d, request, attempts + 1, started_at or now, first_token_at,
-                        (started_at or now) + timeout, resume)
+                        (started_at or now) + timeout, streamed)
 
     def _start_all(self, starts: list[tuple[_Candidate, JobStart]], writes: list[JobWrite]):
         if not starts:

@@ -276,7 +276,7 @@ class Worker:
                 self.metrics.queue_time.observe(job.started_at - job.request.created_at)
             log.info("job reclaimed" if job.delivery.reclaimed else "job picked",
                      extra={"job_id": job.job_id, "attempt": job.attempts, "priority": job.request.priority.value,
-                            "resume_tokens": len(job.resume.token_ids)})
+                            "resume_tokens": len(job.streamed.token_ids)})
         self.runner.start(starts, arrived=len(deliveries))
 
     def _renew(self) -> None:

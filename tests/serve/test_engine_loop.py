@@ -1,0 +1,171 @@
+"""The engine loop on its own: a real engine on a tiny model, jobs handed in as the intake hands
+them, and the writes it hands the publisher collected as they come (no Redis)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+
+import pytest
+
+from worker.engine import LLM, Engine, SamplingParams
+from worker.protocol import ErrorCode, JobRequest
+from worker.serve.engine_loop import EngineLoop
+from worker.serve.intake import JobStart, Streamed
+from worker.serve.metrics import WorkerMetrics
+from worker.serve.writes import Delivery, Finish, HandBack, Progress
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Pack my box"
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
+
+
+@pytest.fixture
+def loop(engine):
+    writes: queue.SimpleQueue = queue.SimpleQueue()
+    runner = EngineLoop(engine, "w1", WorkerMetrics(), lambda batch: [writes.put(w) for w in batch])
+    runner.thread.start()
+    runner.writes = writes
+    yield runner
+    runner.stop.set()
+    runner.thread.join(10)
+    assert not engine.has_unfinished_requests()
+
+
+def job(job_id: str, streamed: Streamed | None = None, timeout_s: float = 60.0, **fields) -> JobStart:
+    request = JobRequest(**{"model": "tiny", "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True, "max_tokens": 12,
+                            **fields})
+    now = time.time()
+    return JobStart(job_id, Delivery("q", f"{job_id}-0", {"job_id": job_id, "attempt": "1"}), request, 1, now, None,
+                    now + timeout_s, streamed or Streamed([], "", 1))
+
+
+def until_finished(loop, job_id: str, timeout: float = 30.0) -> list:
+    """Every write for `job_id` until (and with) its Finish or HandBack."""
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            write = loop.writes.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if getattr(write, "job_id", None) == job_id:
+            got.append(write)
+            if isinstance(write, Finish | HandBack):
+                return got
+    raise AssertionError(f"no end for {job_id}: {got}")
+
+
+def events(writes: list) -> list:
+    return [e for w in writes for e in w.events]
+
+
+def reference(llama_dir, max_tokens: int = 12, **params):
+    llm = LLM(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+    return llm.generate([PROMPT], sampling, use_tqdm=False)[0]
+
+
+def test_a_job_streams_its_tokens_in_order_and_finishes_with_its_result(loop, llama_dir):
+    loop.start([job("a")], arrived=1)
+    writes = until_finished(loop, "a")
+    evs = events(writes)
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # seq 0 (started) was the intake's
+    assert evs[-1].type == "completed" and evs[-1].finish_reason == "length"
+    assert isinstance(writes[0], Progress) and writes[0].first_token_at is not None
+    expected = reference(llama_dir)
+    final = writes[-1]
+    assert json.loads(final.result["token_ids"]) == expected.token_ids
+    assert final.result["text"] == expected.text == "".join(e.text for e in evs if e.type == "token")
+    assert final.state == "succeeded" and evs[-1].usage.completion_tokens == 12
+
+
+def streamed_until(llama_dir, cut: int, **params) -> Streamed:
+    """What a client had of a run interrupted after `cut` tokens: the tokens and the text released by then."""
+    engine = Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
+    sampling = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, **params})
+    engine.add_request("first", PROMPT, sampling)
+    tokens, text = [], ""
+    while len(tokens) < cut:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            text += out.new_text
+    engine.abort("first")
+    engine.step()
+    return Streamed(tokens, text, 7)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11])
+def test_a_resumed_job_continues_where_the_client_left_off(loop, llama_dir, cut):
+    expected = reference(llama_dir)
+    streamed = streamed_until(llama_dir, cut)
+    loop.start([job("r", streamed)], arrived=1)
+    writes = until_finished(loop, "r")
+    evs = events(writes)
+    assert evs[0].seq == 7 and [e.seq for e in evs] == list(range(7, 7 + len(evs)))
+    assert streamed.text + "".join(e.text for e in evs if e.type == "token") == expected.text
+    assert json.loads(writes[-1].result["token_ids"]) == expected.token_ids
+    assert writes[-1].result["text"] == expected.text
+
+
+def test_a_stop_string_across_the_resume_point_ends_the_job_there(loop, llama_dir):
+    expected = reference(llama_dir, max_tokens=24)
+    tokens = expected.token_ids
+    llm = LLM(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
+    tok = llm.tokenizer
+    # A stop string made of the end of token 4's text and the start of token 5's: it is complete
+    # only once the resumed run generates token 5.
+    head = tok.decode(tokens[:5], skip_special_tokens=True)
+    full = tok.decode(tokens[:6], skip_special_tokens=True)
+    stop = head[-2:] + full[len(head):][:2]
+    if len(stop) < 3 or expected.text.find(stop) != len(head) - 2:
+        pytest.skip("this tiny model's text has no usable straddling stop string")
+    streamed_text = tok.decode(tokens[:5], skip_special_tokens=True)[: len(head) - 2]  # held back: could start a stop
+    loop.start([job("s", Streamed(tokens[:5], streamed_text, 6), max_tokens=24, stop=[stop])], arrived=1)
+    writes = until_finished(loop, "s")
+    final = events(writes)[-1]
+    assert final.type == "completed" and final.finish_reason == "stop" and final.stop_reason == stop
+    assert writes[-1].result["text"] == expected.text[: expected.text.index(stop)]
+
+
+def test_cancel_writes_the_cancelled_event_and_a_lost_job_writes_nothing(loop):
+    loop.start([job("c", max_tokens=1000), job("l", max_tokens=1000)], arrived=2)
+    loop.abort("c")
+    writes = until_finished(loop, "c")
+    assert events(writes)[-1].type == "cancelled" and writes[-1].state == "cancelled"
+    loop.abort("l", lost=True)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and "l" in loop.runs:
+        time.sleep(0.01)
+    assert "l" not in loop.runs
+    while not loop.writes.empty():
+        write = loop.writes.get()
+        assert not (isinstance(write, Finish | HandBack) and write.job_id == "l")
+
+
+def test_hand_back_all_returns_every_running_job_without_counting_the_attempt(loop):
+    loop.start([job("h1", max_tokens=1000), job("h2", max_tokens=1000)], arrived=2)
+    loop.hand_back_all()
+    ends = [until_finished(loop, j)[-1] for j in ("h1", "h2")]
+    assert all(isinstance(w, HandBack) and w.attempts == 0 for w in ends)
+
+
+def test_a_job_past_its_execution_timeout_is_timed_out(loop):
+    loop.start([job("t", timeout_s=0.05, max_tokens=100_000)], arrived=1)
+    writes = until_finished(loop, "t")
+    final = events(writes)[-1]
+    assert final.type == "timed_out" and final.code == ErrorCode.EXECUTION_TIMEOUT
+
+
+def test_bad_jobs_fail_alone_with_a_stable_code(loop):
+    too_long = job("long")
+    too_long.request = too_long.request.model_copy(update={"prompt": "fox " * 400})  # over max_model_len=256
+    loop.start([job("ok"), too_long], arrived=2)
+    failed = until_finished(loop, "long")
+    assert events(failed)[-1].type == "failed" and events(failed)[-1].code == ErrorCode.PROMPT_TOO_LONG
+    ok = until_finished(loop, "ok")
+    assert events(ok)[-1].type == "completed"
+
