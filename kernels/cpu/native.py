@@ -17,10 +17,13 @@ compiler), or for an input they do not cover, the PyTorch reference runs (one wa
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,20 +76,44 @@ def load():
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
             isa = torch.backends.cpu.get_cpu_capability()
+            name = f"ferry_cpu_kernels_{isa.lower()}"
+            torch_version = torch.__version__.replace("+", "-")
+            build_dir = Path(cpp_extension.get_default_build_root()) / f"{name}-torch{torch_version}"
             log.info("loading native CPU kernels (%s; the first load on a machine compiles it: about a minute)", isa)
-            _module = cpp_extension.load(
-                name=f"ferry_cpu_kernels_{isa.lower()}",
-                sources=[str(path) for path in _SOURCES],
-                # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled
-                # here; without it every kernel would run on one thread.
-                extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            with _exclusive_build(build_dir):
+                _module = cpp_extension.load(
+                    name=name,
+                    sources=[str(path) for path in _SOURCES],
+                    # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled
+                    # here; without it every kernel would run on one thread.
+                    extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
             _failed = True
             log.warning("native CPU kernels unavailable (%s); using the PyTorch reference", exc)
     return _module
+
+
+@contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """One process at a time builds or loads from `build_dir`. torch's builder waits for as long as
+    its `lock` file exists, and a process killed while building leaves that file behind: every
+    later start would hang. An OS lock is released however its process dies, so under it a
+    `lock` file found is stale and goes."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / "ferry.flock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def available() -> bool:

@@ -255,3 +255,23 @@ def test_few_sequences_split_their_blocks_and_merge_exactly(num_kv_heads, query_
     )
     expected, got = reference_and_native(q * 6, k_cache, v_cache, meta)
     torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path):
+    """torch's builder waits while its `lock` file exists; one left by a killed build is removed
+    under Ferry's own OS lock (which a dead process cannot hold), so the next start goes on."""
+    import subprocess
+    import sys
+
+    (tmp_path / "lock").write_text("")
+    with cpu_native._exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        # Another process must wait for the OS lock while this one holds it.
+        code = (
+            "import fcntl, sys; f = open(sys.argv[1], 'w')\n"
+            "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)"
+        )
+        held = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ferry.flock")], timeout=30)
+        assert held.returncode == 3
+    free = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ferry.flock")], timeout=30)
+    assert free.returncode == 0
