@@ -12,5 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed_supported", &ferry::linear_packed_supported, "whether linear_packed was built (AVX2)");
   m.def("pack_linear_weight", &ferry::pack_linear_weight, "W [N, K] into linear_packed's [ceil(N/16), K, 16] panels", release());
   m.def("linear_packed", &ferry::linear_packed, "x @ W^T (+ b) with W in packed panels", release());
+  m.def("linear_quantized_supported", &ferry::linear_quantized_supported,
+        "whether linear_quantized was built (AVX2, F16C)");
+  m.def("linear_quantized", &ferry::linear_quantized, "x @ W^T (+ b) with W in GGUF blocks, regrouped into 8-row tiles",
+        release());
   ferry::bind_decoder_stack(m);
 }

@@ -1,0 +1,279 @@
+// y = x @ W^T (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1) and dequantized in
+// registers; x, the accumulation and y stay float32.
+//
+// Why: a batch-1 decode step reads every weight once, so its time is the bytes of W over the
+// memory bandwidth. Q4_1 is 5 bits a weight against float32's 32; the product only has to
+// unpack faster than memory delivers the bytes.
+//
+// Layout (repacked once at load by kernels/cpu/quantized.py; the bytes are the GGUF tensor's,
+// regrouped): one tile per 8 output rows x one 32-column block,
+//
+//   tiles: [ceil(N / 8), K / 32, TILE] uint8, tile (g, b) covers W[8g .. 8g+8, 32b .. 32b+32]
+//     Q8_0 (272 B): d[8] fp16 | q[32][8] int8                  w[8g+i, 32b+j] = d[i] q[j][i]
+//     Q4_0 (144 B): d[8] fp16 | n[16][8]                       n[j][i] = q(j) | q(j+16) << 4, w = d[i] (q - 8)
+//     Q4_1 (160 B): d[8] fp16 | m[8] fp16 | n[16][8]           w = d[i] q + m[i]
+//   (rows past N are zero). Lane i of every vector is output row 8g + i, so a tile needs no
+//   shuffles: 8 bytes widen (vpmovzxbd) to one vector of 8 rows at one column (Q8_0) or, split
+//   into nibbles, to two (Q4: columns j and j + 16); the 8 rows' scales are one F16C conversion.
+//
+// Per block, for each row r of x and output row n, in an order that does not depend on M:
+//   s   = sum_{j<16} q[n, j] x[r, j]  +  sum_{j<16} q[n, j+16] x[r, j+16]   (two FMA chains)
+//   y  += d[n] s                        (+ m[n] xsum[r, b] for Q4_1; m = -8 d for Q4_0)
+// where xsum[r, b] = sum of x[r, 32b .. 32b+32] is computed once per call and shared by every
+// output row. So y is the product with the dequantized W up to float32 summation order, and a
+// row of x gets the same floats alone or in any batch (as linear_cpu.cpp guarantees).
+//
+// Register blocking: a micro-kernel multiplies R rows of x by G tiles' 8-row groups (R G (2 + 1)
+// accumulators); each unpacked vector feeds R FMAs. Batch 1 runs R = 1, G = 4 (8 FMA chains);
+// more rows run R <= 6, G = 1, the group's tiles coming from L1 after the first rows.
+//
+//   x:     [M, K] float32, rows may be strided
+//   tiles: as above
+//   bias:  [N] float32 or absent
+//   out:   [M, N] float32
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <string>
+
+#include "vec_avx2.h"
+
+#if defined(FERRY_AVX2) && defined(__F16C__)
+#define FERRY_QUANTIZED 1
+#endif
+
+namespace {
+
+constexpr int64_t kRowsPerTile = 8;   // output rows of a tile: one 8-float vector
+constexpr int64_t kBlock = 32;        // columns per GGUF block
+constexpr int64_t kVectorGroups = 4;  // tiles side by side for one row of x (batch 1)
+
+enum class Format { kQ8_0, kQ4_0, kQ4_1 };
+
+// Tile bytes and where the quants start (after the fp16 header).
+constexpr int64_t tile_bytes(Format f) { return f == Format::kQ8_0 ? 272 : f == Format::kQ4_0 ? 144 : 160; }
+constexpr int64_t quants_offset(Format f) { return f == Format::kQ4_1 ? 32 : 16; }
+constexpr bool has_offset(Format f) { return f != Format::kQ8_0; }  // uses xsum (m, or -8 d)
+
+Format parse_format(const std::string& qtype) {
+  if (qtype == "Q8_0") return Format::kQ8_0;
+  if (qtype == "Q4_0") return Format::kQ4_0;
+  if (qtype == "Q4_1") return Format::kQ4_1;
+  TORCH_CHECK(false, "unsupported quantization type ", qtype, " (the native product runs Q8_0, Q4_0, Q4_1)");
+}
+
+#ifdef FERRY_QUANTIZED
+
+// Column j and column j + 16 of a tile's 8 rows as floats: the quants of chunk j.
+template <Format F>
+inline void unpack(const uint8_t* quants, int j, __m256& first, __m256& second) {
+  if constexpr (F == Format::kQ8_0) {
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * j));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * (j + 16)));
+    first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * j)));
+    first = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    second = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+}
+
+// R rows of x against G adjacent tile groups over all K: out[r, 8g + i] for i < cols (cols < 8
+// only in the matrix's last group). The per-block sums are named register arrays indexed by
+// compile-time constants only (fully unrolled loops), so GCC keeps them in registers; the running
+// totals, touched once per block, live in `total`.
+template <Format F, int R, int G>
+inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, const float* x, int64_t x_stride,
+                  const float* xsum, const float* bias, float* out, int64_t out_stride, int64_t cols) {
+  __m256 total[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) total[r][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* tile = tiles + b * tile_bytes(F);
+    __m256 first[R][G], second[R][G];  // the block's two FMA chains (columns j and j + 16)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) first[r][g] = second[r][g] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        __m256 w0, w1;
+        unpack<F>(tile + g * group_stride + quants_offset(F), j, w0, w1);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * x_stride + b * kBlock + j;
+          first[r][g] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xr), first[r][g]);
+          second[r][g] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xr + 16), second[r][g]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* header = tile + g * group_stride;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header)));
+      __m256 m = d;
+      if constexpr (F == Format::kQ4_1)
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16)));
+      if constexpr (F == Format::kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        total[r][g] = _mm256_fmadd_ps(d, _mm256_add_ps(first[r][g], second[r][g]), total[r][g]);
+        if constexpr (has_offset(F))
+          total[r][g] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b), total[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* o = out + r * out_stride + g * kRowsPerTile;
+      const float* bg = bias ? bias + g * kRowsPerTile : nullptr;
+      __m256 v = total[r][g];
+      if (g == G - 1 && cols < kRowsPerTile) {
+        alignas(32) float lanes[kRowsPerTile];
+        _mm256_store_ps(lanes, v);
+        for (int64_t i = 0; i < cols; ++i) o[i] = lanes[i] + (bg ? bg[i] : 0.f);
+        continue;
+      }
+      if (bg) v = _mm256_add_ps(v, _mm256_loadu_ps(bg));
+      _mm256_storeu_ps(o, v);
+    }
+}
+
+// Rows [m0, m0 + R) of x against `groups` tile groups starting at `group`, G at a time.
+template <Format F, int R>
+void rows_against_groups(const uint8_t* tiles, int64_t group, int64_t groups, int64_t blocks, int64_t N,
+                         const float* x, int64_t x_stride, const float* xsum, const float* bias, float* out) {
+  const int64_t group_stride = blocks * tile_bytes(F);
+  constexpr int G = R == 1 ? kVectorGroups : 1;
+  int64_t g = group;
+  for (; g + G <= group + groups; g += G) {
+    const int64_t cols = std::min<int64_t>(kRowsPerTile, N - (g + G - 1) * kRowsPerTile);
+    micro<F, R, G>(tiles + g * group_stride, group_stride, blocks, x, x_stride, xsum,
+                   bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, cols);
+  }
+  for (; g < group + groups; ++g) {
+    const int64_t cols = std::min<int64_t>(kRowsPerTile, N - g * kRowsPerTile);
+    micro<F, R, 1>(tiles + g * group_stride, group_stride, blocks, x, x_stride, xsum,
+                   bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, cols);
+  }
+}
+
+constexpr int kMaxRows = 6;  // rows of x per micro-kernel: 6 x 3 accumulators + 2 weights of 16 registers
+
+template <Format F>
+void product(const float* x, int64_t x_stride, int64_t M, const uint8_t* tiles, int64_t num_groups, int64_t blocks,
+             const float* xsum, const float* bias, float* out, int64_t N) {
+  if (M == 1) {  // decode at batch 1: each thread walks its groups 4 at a time
+    at::parallel_for(0, num_groups, kVectorGroups, [&](int64_t begin, int64_t end) {
+      rows_against_groups<F, 1>(tiles, begin, end - begin, blocks, N, x, x_stride, xsum, bias, out);
+    });
+    return;
+  }
+  // One group at a time against every row of x, in row blocks of near-equal height (7 rows run as
+  // 4 + 3, not 6 + 1: a block of few rows has few FMA chains). The group's tiles come from memory
+  // for the first block and from L1 for the rest.
+  const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t m0 = 0;
+      for (int64_t i = 0; i < row_blocks; ++i) {
+        const int64_t rows = (M - m0) / (row_blocks - i);
+        const float* xr = x + m0 * x_stride;
+        const float* sr = xsum ? xsum + m0 * blocks : nullptr;
+        float* o = out + m0 * N;
+        switch (rows) {
+          case 1: rows_against_groups<F, 1>(tiles, g, 1, blocks, N, xr, x_stride, sr, bias, o); break;
+          case 2: rows_against_groups<F, 2>(tiles, g, 1, blocks, N, xr, x_stride, sr, bias, o); break;
+          case 3: rows_against_groups<F, 3>(tiles, g, 1, blocks, N, xr, x_stride, sr, bias, o); break;
+          case 4: rows_against_groups<F, 4>(tiles, g, 1, blocks, N, xr, x_stride, sr, bias, o); break;
+          case 5: rows_against_groups<F, 5>(tiles, g, 1, blocks, N, xr, x_stride, sr, bias, o); break;
+          default: rows_against_groups<F, 6>(tiles, g, 1, blocks, N, xr, x_stride, sr, bias, o); break;
+        }
+        m0 += rows;
+      }
+    }
+  });
+}
+
+// xsum[r, b] = sum of x[r, 32b .. 32b + 32], in a fixed order (so a row's sums do not depend on M).
+void block_sums(const float* x, int64_t x_stride, int64_t M, int64_t blocks, float* xsum) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* p = x + r * x_stride + b * kBlock;
+      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+      xsum[r * blocks + b] = ferry::hsum8(s);
+    }
+}
+#endif
+
+}  // namespace
+
+namespace ferry {
+
+bool linear_quantized_supported() {
+#ifdef FERRY_QUANTIZED
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
+                               int64_t out_features, const c10::optional<torch::Tensor>& bias) {
+  const Format format = parse_format(qtype);
+  TORCH_CHECK(!x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
+              "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
+                  tiles.size(2) == tile_bytes(format),
+              "tiles must be a contiguous uint8 [ceil(N/8), K/32, ", tile_bytes(format), "] tensor for ", qtype);
+  TORCH_CHECK(tiles.size(1) * kBlock == x.size(1), "x has ", x.size(1), " columns, the weight ",
+              tiles.size(1) * kBlock);
+  TORCH_CHECK(out_features > (tiles.size(0) - 1) * kRowsPerTile && out_features <= tiles.size(0) * kRowsPerTile,
+              "out_features does not match the number of tile groups");
+  const int64_t M = x.size(0), N = out_features, blocks = tiles.size(1);
+  const float* bias_ptr = nullptr;
+  torch::Tensor bias_contiguous;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N, "bias must be float32 [N]");
+    bias_contiguous = bias->contiguous();
+    bias_ptr = bias_contiguous.data_ptr<float>();
+  }
+  torch::Tensor out = torch::empty({M, N}, x.options());
+#ifdef FERRY_QUANTIZED
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  torch::Tensor xsum;
+  const float* xsum_ptr = nullptr;
+  if (format != Format::kQ8_0) {
+    xsum = torch::empty({M, blocks}, x.options());
+    block_sums(xp, x.stride(0), M, blocks, xsum.data_ptr<float>());
+    xsum_ptr = xsum.data_ptr<float>();
+  }
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t groups = tiles.size(0);
+  switch (format) {
+    case Format::kQ8_0:
+      product<Format::kQ8_0>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
+      break;
+    case Format::kQ4_0:
+      product<Format::kQ4_0>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
+      break;
+    case Format::kQ4_1:
+      product<Format::kQ4_1>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
+      break;
+  }
+#else
+  TORCH_CHECK(false, "linear_quantized needs AVX2, FMA and F16C");
+#endif
+  return out;
+}
+
+}  // namespace ferry
