@@ -47,6 +47,7 @@ _SOURCES = [
         "linear_cpu.cpp",
         "quantized_linear_cpu.cpp",
         "decoder_stack_cpu.cpp",
+        "stream_sum_cpu.cpp",
     )
 ]
 # Instruction-set flags by what this CPU can run (torch's own dispatch level), not -march=native:
