@@ -36,6 +36,7 @@
 #include <ATen/Parallel.h>
 
 #include <string>
+#include <vector>
 
 #include "vec_avx2.h"
 
@@ -88,10 +89,13 @@ inline void unpack(const uint8_t* quants, int j, __m256& first, __m256& second) 
 // next: the G groups this thread reads after these (null: none). Block b asks for the same share of
 // those (into L2) as it reads itself: with only the hardware prefetcher, a batch-1 pass over
 // SmolLM2's Q4_1 layers took 1.35-1.75x as long on one core (a group is a stream of a few KB).
-template <Format F, int R, int G>
+//
+// unpacked: the G groups' quants already widened by unpack_group (one after the other), read
+// instead of the tiles' bytes; the floats, and so every sum, are the same.
+template <Format F, int R, int G, bool UNPACKED>
 inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, const float* x, int64_t x_stride,
                   const float* xsum, const float* bias, float* out, int64_t out_stride, int64_t cols,
-                  const uint8_t* next) {
+                  const uint8_t* next, const float* unpacked) {
   __m256 total[R][G];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -113,7 +117,13 @@ inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, co
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         __m256 w0, w1;
-        unpack<F>(tile + g * group_stride + quants_offset(F), j, w0, w1);
+        if constexpr (UNPACKED) {
+          const float* u = unpacked + (g * blocks * 32 + (b * 16 + j) * 2) * kRowsPerTile;
+          w0 = _mm256_loadu_ps(u);
+          w1 = _mm256_loadu_ps(u + kRowsPerTile);
+        } else {
+          unpack<F>(tile + g * group_stride + quants_offset(F), j, w0, w1);
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * x_stride + b * kBlock + j;
@@ -166,54 +176,103 @@ void rows_against_groups(const uint8_t* tiles, int64_t group, int64_t end, int64
   for (; g + G <= end; g += G) {
     const int64_t cols = std::min<int64_t>(kRowsPerTile, N - (g + G - 1) * kRowsPerTile);
     const uint8_t* next = g + 2 * G <= end ? tiles + (g + G) * group_stride : nullptr;
-    micro<F, R, G>(tiles + g * group_stride, group_stride, blocks, x, x_stride, xsum,
-                   bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, cols, next);
+    micro<F, R, G, false>(tiles + g * group_stride, group_stride, blocks, x, x_stride, xsum,
+                          bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, cols, next, nullptr);
   }
   for (; g < end; ++g) {
     const int64_t cols = std::min<int64_t>(kRowsPerTile, N - g * kRowsPerTile);
     const uint8_t* next = g + 1 < end ? tiles + (g + 1) * group_stride : after;
-    micro<F, R, 1>(tiles + g * group_stride, group_stride, blocks, x, x_stride, xsum,
-                   bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, cols, next);
+    micro<F, R, 1, false>(tiles + g * group_stride, group_stride, blocks, x, x_stride, xsum,
+                          bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, cols, next, nullptr);
   }
 }
 
-constexpr int kMaxRows = 6;  // rows of x per micro-kernel: 6 x 3 accumulators + 2 weights of 16 registers
+// A group's quants as floats in micro's reading order: [blocks][16 chunks][column j, j + 16][8 rows];
+// next: the group read after this one, whose tiles it prefetches (null: none).
+template <Format F>
+void unpack_group(const uint8_t* group_tiles, int64_t blocks, float* unpacked, const uint8_t* next) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (next)
+      for (int64_t line = 0; line < tile_bytes(F); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + b * tile_bytes(F) + line, _MM_HINT_T1);
+    for (int j = 0; j < 16; ++j) {
+      __m256 w0, w1;
+      unpack<F>(group_tiles + b * tile_bytes(F) + quants_offset(F), j, w0, w1);
+      _mm256_storeu_ps(unpacked + ((b * 16 + j) * 2) * kRowsPerTile, w0);
+      _mm256_storeu_ps(unpacked + ((b * 16 + j) * 2 + 1) * kRowsPerTile, w1);
+    }
+  }
+}
+
+constexpr int kMaxRows = 6;  // rows of x per micro-kernel: 6 x 2 chains + 2 weights + 2 broadcasts of 16 registers
 
 template <Format F>
 void product(const float* x, int64_t x_stride, int64_t M, const uint8_t* tiles, int64_t num_groups, int64_t blocks,
              const float* xsum, const float* bias, float* out, int64_t N) {
+  const int64_t group_stride = blocks * tile_bytes(F);
   if (M == 1) {  // decode at batch 1: each thread walks its groups 4 at a time
     at::parallel_for(0, num_groups, kVectorGroups, [&](int64_t begin, int64_t end) {
+      // The first groups have no predecessor to prefetch them: ask for all of their lines now.
+      const char* first = reinterpret_cast<const char*>(tiles + begin * group_stride);
+      const int64_t first_bytes = std::min<int64_t>(kVectorGroups, end - begin) * group_stride;
+      for (int64_t line = 0; line < first_bytes; line += 64) _mm_prefetch(first + line, _MM_HINT_T0);
       rows_against_groups<F, 1>(tiles, begin, end, blocks, N, x, x_stride, xsum, bias, out, nullptr);
     });
     return;
   }
-  // One group at a time against every row of x, in row blocks of near-equal height (7 rows run as
-  // 4 + 3, not 6 + 1: a block of few rows has few FMA chains). The group's tiles come from memory
-  // for the first block and from L1 for the rest.
-  const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
-  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      int64_t m0 = 0;
-      for (int64_t i = 0; i < row_blocks; ++i) {
-        const int64_t rows = (M - m0) / (row_blocks - i);
-        const float* xr = x + m0 * x_stride;
-        const float* sr = xsum ? xsum + m0 * blocks : nullptr;
-        float* o = out + m0 * N;
-        // The first row block prefetches the next group; the others find this one in L1.
-        const uint8_t* after = i == 0 && g + 1 < end ? tiles + (g + 1) * blocks * tile_bytes(F) : nullptr;
-        switch (rows) {
-          case 1: rows_against_groups<F, 1>(tiles, g, g + 1, blocks, N, xr, x_stride, sr, bias, o, after); break;
-          case 2: rows_against_groups<F, 2>(tiles, g, g + 1, blocks, N, xr, x_stride, sr, bias, o, after); break;
-          case 3: rows_against_groups<F, 3>(tiles, g, g + 1, blocks, N, xr, x_stride, sr, bias, o, after); break;
-          case 4: rows_against_groups<F, 4>(tiles, g, g + 1, blocks, N, xr, x_stride, sr, bias, o, after); break;
-          case 5: rows_against_groups<F, 5>(tiles, g, g + 1, blocks, N, xr, x_stride, sr, bias, o, after); break;
-          default: rows_against_groups<F, 6>(tiles, g, g + 1, blocks, N, xr, x_stride, sr, bias, o, after); break;
+  if (M <= kMaxRows) {  // one block of rows: each group unpacked once, straight from its tiles
+    at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* after = g + 1 < end ? tiles + (g + 1) * group_stride : nullptr;
+        switch (M) {
+          case 2: rows_against_groups<F, 2>(tiles, g, g + 1, blocks, N, x, x_stride, xsum, bias, out, after); break;
+          case 3: rows_against_groups<F, 3>(tiles, g, g + 1, blocks, N, x, x_stride, xsum, bias, out, after); break;
+          case 4: rows_against_groups<F, 4>(tiles, g, g + 1, blocks, N, x, x_stride, xsum, bias, out, after); break;
+          case 5: rows_against_groups<F, 5>(tiles, g, g + 1, blocks, N, x, x_stride, xsum, bias, out, after); break;
+          default: rows_against_groups<F, 6>(tiles, g, g + 1, blocks, N, x, x_stride, xsum, bias, out, after); break;
         }
-        m0 += rows;
       }
-    }
-  });
+    });
+    return;
+  }
+  // More rows: two groups at a time are widened once into `unpacked` (2 K x 8 floats, L1/L2), then
+  // every pair of rows of x runs against both: each broadcast of x feeds two FMAs, as in
+  // linear_cpu.cpp's micro-kernel. Six rows against one group (one broadcast per FMA) reached
+  // ~0.65x the float32 product's rate; unpacking per row block was not what bound it.
+  const int64_t group_floats = blocks * kBlock * kRowsPerTile;
+  // Rows of x per pass over the groups: ~192 KiB of x, which stays in L2 beside the unpacked pair.
+  const int64_t block_rows = std::max<int64_t>(2, (192 << 10) / (blocks * kBlock * 4) / 2 * 2);
+  for (int64_t m_begin = 0; m_begin < M; m_begin += block_rows) {
+    const int64_t m_end = std::min(M, m_begin + block_rows);
+    at::parallel_for(0, num_groups, 2, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(2 * group_floats);
+      float* unpacked = scratch.data();
+      for (int64_t g = begin; g < end; g += 2) {
+        const int64_t pair = std::min<int64_t>(2, end - g);
+        for (int64_t p = 0; p < pair; ++p) {
+          const uint8_t* next = g + p + 2 < end ? tiles + (g + p + 2) * group_stride : nullptr;
+          unpack_group<F>(tiles + (g + p) * group_stride, blocks, unpacked + p * group_floats, next);
+        }
+        const int64_t cols = std::min<int64_t>(kRowsPerTile, N - (g + pair - 1) * kRowsPerTile);
+        const uint8_t* t = tiles + g * group_stride;
+        const float* b = bias ? bias + g * kRowsPerTile : nullptr;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += 2) {
+          const float* xr = x + m0 * x_stride;
+          const float* sr = xsum ? xsum + m0 * blocks : nullptr;
+          float* o = out + m0 * N + g * kRowsPerTile;
+          const bool two_rows = m0 + 1 < m_end;
+          if (pair == 2 && two_rows)
+            micro<F, 2, 2, true>(t, group_stride, blocks, xr, x_stride, sr, b, o, N, cols, nullptr, unpacked);
+          else if (pair == 2)
+            micro<F, 1, 2, true>(t, group_stride, blocks, xr, x_stride, sr, b, o, N, cols, nullptr, unpacked);
+          else if (two_rows)
+            micro<F, 2, 1, true>(t, group_stride, blocks, xr, x_stride, sr, b, o, N, cols, nullptr, unpacked);
+          else
+            micro<F, 1, 1, true>(t, group_stride, blocks, xr, x_stride, sr, b, o, N, cols, nullptr, unpacked);
+        }
+      }
+    });
+  }
 }
 
 // xsum[r, b] = sum of x[r, 32b .. 32b + 32], in a fixed order (so a row's sums do not depend on M).
