@@ -23,9 +23,14 @@
 // output row. So y is the product with the dequantized W up to float32 summation order, and a
 // row of x gets the same floats alone or in any batch (as linear_cpu.cpp guarantees).
 //
-// Register blocking: a micro-kernel multiplies R rows of x by G tiles' 8-row groups (R G (2 + 1)
-// accumulators); each unpacked vector feeds R FMAs. Batch 1 runs R = 1, G = 4 (8 FMA chains);
-// more rows run R <= 6, G = 1, the group's tiles coming from L1 after the first rows.
+// Register blocking: a micro-kernel multiplies R rows of x by G tiles' 8-row groups (2 R G chain
+// registers; the running totals, touched once per block, may live in L1). Batch 1 runs R = 1,
+// G = 4 (8 FMA chains, 4 streams, the next 4 groups prefetched); 2-6 rows run R = M, G = 1 from
+// the tiles; more rows widen 2 groups once into a float scratch and run R = 2, G = 2 over it, so a
+// broadcast of x feeds 2 FMAs as in linear_cpu.cpp. Per 16 weights the widening costs ~5 vector
+// ops (vpmovzxbd, and, shift, 2 cvtdq2ps) beside the 2 FMAs: with AVX2 a core widens Q4_1
+// slower than its memory read delivers it, so batch 1 is bound by that widening (bench/README.md
+// has the figures); with more rows the FMAs dominate as in the float32 product.
 //
 //   x:     [M, K] float32, rows may be strided
 //   tiles: as above
