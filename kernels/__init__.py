@@ -28,6 +28,7 @@ __all__ = [
     "StackLayer",
     "backend_for",
     "decoder_stack",
+    "embedding",
     "pinned_backend",
     "linear",
     "pack_linear_weight",
@@ -135,6 +136,14 @@ def linear(x, weight, bias=None):
     if backend_for(x) == "cpu" or not isinstance(weight, torch.Tensor):
         return _cpu().linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def embedding(input_ids, weight):
+    """Rows `input_ids` of an embedding table: a tensor [vocab, hidden], or a `QuantizedWeight`
+    (a GGUF's quantized table, also the tied LM head), whose rows come back dequantized."""
+    if isinstance(weight, QuantizedWeight):
+        return _cpu().embedding(input_ids, weight)
+    return torch.nn.functional.embedding(input_ids, weight)
 
 
 def pack_linear_weight(weight: torch.Tensor):

@@ -46,6 +46,7 @@ _SOURCES = [
         "fused_ops_cpu.cpp",
         "linear_cpu.cpp",
         "quantized_linear_cpu.cpp",
+        "quantized_rows_cpu.cpp",
         "decoder_stack_cpu.cpp",
         "stream_sum_cpu.cpp",
     )
@@ -270,6 +271,21 @@ def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
         rows = rows.float().contiguous()
     out = module.linear_quantized(rows, weight.tiles, weight.qtype, weight.out_features, bias)
     return out.view(*x.shape[:-1], weight.out_features)
+
+
+def embedding(
+    ids: torch.Tensor,  # [...] int64
+    weight: torch.Tensor | QuantizedWeight,  # [vocab, hidden]
+) -> torch.Tensor:  # [..., hidden] float32 for a quantized table
+    """F.embedding; for a table kept quantized (a tied LM head), only the rows asked for,
+    dequantized natively to gguf's floats (`csrc/quantized_rows_cpu.cpp`)."""
+    if not isinstance(weight, QuantizedWeight):
+        return F.embedding(ids, weight)
+    module = load()
+    if module is None:
+        return weight.dequantize_rows(ids)
+    rows = module.quantized_rows(weight.tiles, weight.qtype, weight.out_features, ids.reshape(-1))
+    return rows.view(*ids.shape, weight.in_features)
 
 
 class DecoderStack:

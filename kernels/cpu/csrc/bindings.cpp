@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether linear_quantized was built (AVX2, F16C)");
   m.def("linear_quantized", &ferry::linear_quantized, "x @ W^T (+ b) with W in GGUF blocks, regrouped into 8-row tiles",
         release());
+  m.def("quantized_rows", &ferry::quantized_rows, "rows of a weight in GGUF tiles as float32 (embedding lookup)",
+        release());
   m.def("stream_sum", &ferry::stream_sum, "sum of a float32 buffer read once: the memory-read floor", release());
   ferry::bind_decoder_stack(m);
 }

@@ -25,6 +25,8 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels,
 bool linear_quantized_supported();
 torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
                                int64_t out_features, const c10::optional<torch::Tensor>& bias);
+torch::Tensor quantized_rows(const torch::Tensor& tiles, const std::string& qtype, int64_t out_features,
+                             const torch::Tensor& ids);
 double stream_sum(const torch::Tensor& buffer);
 void bind_decoder_stack(pybind11::module& m);
 }  // namespace ferry

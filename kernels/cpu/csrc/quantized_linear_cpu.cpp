@@ -43,31 +43,20 @@
 #include <string>
 #include <vector>
 
+#include "quantized_tiles.h"
 #include "vec_avx2.h"
-
-#if defined(FERRY_AVX2) && defined(__F16C__)
-#define FERRY_QUANTIZED 1
-#endif
 
 namespace {
 
-constexpr int64_t kRowsPerTile = 8;   // output rows of a tile: one 8-float vector
-constexpr int64_t kBlock = 32;        // columns per GGUF block
+using ferry::quantized::Format;
+using ferry::quantized::has_offset;
+using ferry::quantized::kBlock;
+using ferry::quantized::kRowsPerTile;
+using ferry::quantized::parse_format;
+using ferry::quantized::quants_offset;
+using ferry::quantized::tile_bytes;
+
 constexpr int64_t kVectorGroups = 4;  // tiles side by side for one row of x (batch 1)
-
-enum class Format { kQ8_0, kQ4_0, kQ4_1 };
-
-// Tile bytes and where the quants start (after the fp16 header).
-constexpr int64_t tile_bytes(Format f) { return f == Format::kQ8_0 ? 272 : f == Format::kQ4_0 ? 144 : 160; }
-constexpr int64_t quants_offset(Format f) { return f == Format::kQ4_1 ? 32 : 16; }
-constexpr bool has_offset(Format f) { return f != Format::kQ8_0; }  // uses xsum (m, or -8 d)
-
-Format parse_format(const std::string& qtype) {
-  if (qtype == "Q8_0") return Format::kQ8_0;
-  if (qtype == "Q4_0") return Format::kQ4_0;
-  if (qtype == "Q4_1") return Format::kQ4_1;
-  TORCH_CHECK(false, "unsupported quantization type ", qtype, " (the native product runs Q8_0, Q4_0, Q4_1)");
-}
 
 #ifdef FERRY_QUANTIZED
 

@@ -102,6 +102,9 @@ def test_embedding_rows_come_dequantized(qtype):
     weight, dequantized = gguf_weight(45, 64, qtype, seed=10)
     ids = torch.tensor([[0, 44, 7], [8, 8, 21]])
     assert torch.equal(weight.dequantize_rows(ids), dequantized[ids])
+    assert torch.equal(kernels.embedding(ids, weight), dequantized[ids])  # the native gather
+    with pytest.raises(RuntimeError, match=r"row id 45 is outside \[0, 45\)"):
+        kernels.embedding(torch.tensor([45]), weight)
 
 
 def test_int8_weights_are_close_and_multiply_as_their_dequantization():
@@ -149,7 +152,7 @@ def test_smollm2_gguf_tensors_multiply_as_gguf_dequantizes_them():
         assert torch.equal(weight.dequantize(), dequantized), name
         assert_product_close(kernels.linear(x[:, :in_features], weight), x[:, :in_features], dequantized)
     ids = torch.tensor([0, 1, 4999, 1234])
-    assert torch.equal(weight.dequantize_rows(ids), dequantized[ids])
+    assert torch.equal(kernels.embedding(ids, weight), dequantized[ids])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16", "q4_1"])
