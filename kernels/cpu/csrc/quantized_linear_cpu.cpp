@@ -317,13 +317,9 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
 #ifdef FERRY_QUANTIZED
   if (M == 0) return out;
   const float* xp = x.data_ptr<float>();
-  torch::Tensor xsum;
-  const float* xsum_ptr = nullptr;
-  if (format != Format::kQ8_0) {
-    xsum = torch::empty({M, blocks}, x.options());
-    block_sums(xp, x.stride(0), M, blocks, xsum.data_ptr<float>());
-    xsum_ptr = xsum.data_ptr<float>();
-  }
+  std::vector<float> xsum(has_offset(format) ? M * blocks : 0);  // [M, blocks]
+  if (has_offset(format)) block_sums(xp, x.stride(0), M, blocks, xsum.data());
+  const float* xsum_ptr = has_offset(format) ? xsum.data() : nullptr;
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t groups = tiles.size(0);
