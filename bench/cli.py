@@ -52,6 +52,7 @@ SUITES = {
         Suite("specdec", "bench.specdec", ("--quick",)),
         Suite("kernels", "kernels.bench", ("--quick",), needs="cuda", takes_model=False),
         Suite("linear_cpu", "bench.linear_cpu", ("--rows", "1,32,512", "--repeats", "2"), takes_model=False),
+        Suite("quantized_linear", "bench.quantized_linear", ("--rows", "1,32", "--repeats", "2"), takes_model=False),
     )
 }
 

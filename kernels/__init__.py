@@ -18,18 +18,23 @@ from contextlib import contextmanager
 import torch
 
 from kernels import reference
+from kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from kernels.metadata import AttentionMetadata
 from kernels.stack_layer import StackLayer
 
 __all__ = [
     "AttentionMetadata",
+    "QuantizedWeight",
     "StackLayer",
     "backend_for",
     "decoder_stack",
+    "embedding",
     "pinned_backend",
     "linear",
     "pack_linear_weight",
     "paged_attention",
+    "pack_quantized_weight",
+    "quantize_int8_weight",
     "rms_norm",
     "rotary",
     "rotary_and_write_kv",
@@ -125,11 +130,20 @@ def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, is_neox, k_cache, v_c
 
 
 def linear(x, weight, bias=None):
-    """x @ weight^T (+ bias), nn.Linear's product. `weight` is a tensor [out, in] or what
-    `pack_linear_weight` made of one (which only the cpu backend reads)."""
+    """x @ weight^T (+ bias), nn.Linear's product. `weight` is a tensor [out, in], or what
+    `pack_linear_weight` / `pack_quantized_weight` / `quantize_int8_weight` made of one (which
+    only the cpu backend reads)."""
     if backend_for(x) == "cpu" or not isinstance(weight, torch.Tensor):
         return _cpu().linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def embedding(input_ids, weight):
+    """Rows `input_ids` of an embedding table: a tensor [vocab, hidden], or a `QuantizedWeight`
+    (a GGUF's quantized table, also the tied LM head), whose rows come back dequantized."""
+    if isinstance(weight, QuantizedWeight):
+        return _cpu().embedding(input_ids, weight)
+    return torch.nn.functional.embedding(input_ids, weight)
 
 
 def pack_linear_weight(weight: torch.Tensor):

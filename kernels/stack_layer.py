@@ -10,7 +10,8 @@ import torch
 @dataclass(frozen=True, slots=True)
 class StackLayer:
     """One decoder layer's tensors (worker/models/llama.py's DecoderLayer). The four projections
-    are weights as `kernels.pack_linear_weight` returned them."""
+    are weights as `kernels.pack_linear_weight` or `kernels.pack_quantized_weight` returned them
+    (a layer may mix both)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_attention_norm: torch.Tensor  # [hidden]

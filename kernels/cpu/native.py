@@ -7,7 +7,10 @@
   small ops (`csrc/fused_ops_cpu.cpp`), which at decode batch sizes is mostly dispatch overhead;
 - the float32 matrix products, with each weight packed once at load into column panels that
   a register-blocked kernel streams (`csrc/linear_cpu.cpp`): BLAS repacks W on every call and,
-  at decode batch sizes (a few to a few dozen rows), reaches half the FMA units' rate.
+  at decode batch sizes (a few to a few dozen rows), reaches half the FMA units' rate;
+- the same products with weights kept in GGUF block formats (`quantized.py`'s
+  `QuantizedWeight`), dequantized in registers (`csrc/quantized_linear_cpu.cpp`): a batch-1 step
+  reads a fifth to a sixth of float32's bytes.
 
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja;
 about a minute) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.cpu.quantized import QuantizedWeight
 from kernels.metadata import AttentionMetadata
 from kernels.stack_layer import StackLayer
 
@@ -44,14 +48,17 @@ _SOURCES = [
         "paged_attention_cpu.cpp",
         "fused_ops_cpu.cpp",
         "linear_cpu.cpp",
+        "quantized_linear_cpu.cpp",
+        "quantized_rows_cpu.cpp",
         "decoder_stack_cpu.cpp",
+        "stream_sum_cpu.cpp",
     )
 ]
 # Instruction-set flags by what this CPU can run (torch's own dispatch level), not -march=native:
 # a shared extension cache must not hold code another machine cannot execute.
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
 _lock = threading.Lock()
@@ -260,10 +267,14 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear(
     x: torch.Tensor,  # [..., in_features]
-    weight: torch.Tensor | PackedWeight,  # [out_features, in_features], or packed by pack_weight
+    weight: torch.Tensor | PackedWeight | QuantizedWeight,  # [out_features, in_features], or packed
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [..., out_features]
-    """F.linear; with a packed weight, the native register-blocked product."""
+    """F.linear; with a packed weight, the native register-blocked product; with a quantized one,
+    the fused-dequantization product (F.linear on its dequantized weights where no native build
+    runs it)."""
+    if isinstance(weight, QuantizedWeight):
+        return _linear_quantized(x, weight, bias)
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, weight.in_features)
@@ -271,6 +282,43 @@ def linear(
         rows = rows.float().contiguous()
     out = _packed_module().linear_packed(rows, weight.panels, weight.out_features, bias)
     return out.view(*x.shape[:-1], weight.out_features)
+
+
+_quantized_supported: bool | None = None  # whether the quantized product was built (asked once)
+
+
+def _quantized_module():
+    global _quantized_supported
+    module = load()
+    if _quantized_supported is None:
+        _quantized_supported = module is not None and module.linear_quantized_supported()
+    return module if _quantized_supported else None
+
+
+def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    module = _quantized_module()
+    if module is None:
+        return F.linear(x.float(), weight.dequantize(), bias)
+    rows = x.reshape(-1, weight.in_features)
+    if rows.stride(-1) != 1 or rows.dtype != torch.float32:
+        rows = rows.float().contiguous()
+    out = module.linear_quantized(rows, weight.tiles, weight.qtype, weight.out_features, bias)
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+def embedding(
+    ids: torch.Tensor,  # [...] int64
+    weight: torch.Tensor | QuantizedWeight,  # [vocab, hidden]
+) -> torch.Tensor:  # [..., hidden] float32 for a quantized table
+    """F.embedding; for a table kept quantized (a tied LM head), only the rows asked for,
+    dequantized natively to gguf's floats (`csrc/quantized_rows_cpu.cpp`)."""
+    if not isinstance(weight, QuantizedWeight):
+        return F.embedding(ids, weight)
+    module = load()
+    if module is None:
+        return weight.dequantize_rows(ids)
+    rows = module.quantized_rows(weight.tiles, weight.qtype, weight.out_features, ids.reshape(-1))
+    return rows.view(*ids.shape, weight.in_features)
 
 
 class DecoderStack:
@@ -319,9 +367,11 @@ def decoder_stack(
     final_norm: torch.Tensor,  # [hidden]
     layers: list[StackLayer],
 ) -> DecoderStack | None:
-    """A `DecoderStack` over these layers, or None where the native build is missing."""
+    """A `DecoderStack` over these layers (projections packed or quantized), or None where the
+    native build lacks a product they need."""
     module = _packed_module()
-    if module is None:
+    projections = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if module is None or (any(isinstance(w, QuantizedWeight) for w in projections) and _quantized_module() is None):
         return None
     native = module.DecoderStack(num_heads, num_kv_heads, head_dim, eps, scale, final_norm.detach().contiguous())
     for layer in layers:
@@ -330,16 +380,19 @@ def decoder_stack(
             layer.post_attention_norm.detach().contiguous(),
             None if layer.q_norm is None else layer.q_norm.detach().contiguous(),
             None if layer.k_norm is None else layer.k_norm.detach().contiguous(),
-            *_projection(layer.qkv, layer.qkv_bias),
-            *_projection(layer.o, layer.o_bias),
-            *_projection(layer.gate_up, layer.gate_up_bias),
-            *_projection(layer.down, layer.down_bias),
+            _projection(module, layer.qkv, layer.qkv_bias),
+            _projection(module, layer.o, layer.o_bias),
+            _projection(module, layer.gate_up, layer.gate_up_bias),
+            _projection(module, layer.down, layer.down_bias),
         )
     return DecoderStack(native, len(layers))
 
 
-def _projection(weight: PackedWeight, bias: torch.Tensor | None) -> tuple:
-    return weight.panels, weight.out_features, None if bias is None else bias.detach().contiguous()
+def _projection(module, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None):
+    bias = None if bias is None else bias.detach().contiguous()
+    if isinstance(weight, QuantizedWeight):
+        return module.Projection(weight.tiles, weight.qtype, weight.out_features, bias)
+    return module.Projection(weight.panels, "F32", weight.out_features, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]

@@ -12,5 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed_supported", &ferry::linear_packed_supported, "whether linear_packed was built (AVX2)");
   m.def("pack_linear_weight", &ferry::pack_linear_weight, "W [N, K] into linear_packed's [ceil(N/16), K, 16] panels", release());
   m.def("linear_packed", &ferry::linear_packed, "x @ W^T (+ b) with W in packed panels", release());
+  m.def("linear_quantized_supported", &ferry::linear_quantized_supported,
+        "whether linear_quantized was built (AVX2, F16C)");
+  m.def("linear_quantized", &ferry::linear_quantized, "x @ W^T (+ b) with W in GGUF blocks, regrouped into 8-row tiles",
+        release());
+  m.def("quantized_rows", &ferry::quantized_rows, "rows of a weight in GGUF tiles as float32 (embedding lookup)",
+        release());
+  m.def("stream_sum", &ferry::stream_sum, "sum of a float32 buffer read once: the memory-read floor", release());
   ferry::bind_decoder_stack(m);
 }

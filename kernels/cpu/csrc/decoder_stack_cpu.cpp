@@ -18,6 +18,7 @@
 //   x           = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T + b
 // and after the last layer, rms_norm(x + residual) with the final norm.
 
+#include <string>
 #include <vector>
 
 #include "ferry_ops.h"
@@ -25,13 +26,19 @@
 namespace ferry {
 namespace {
 
-// One packed projection: panels [ceil(N / 16), K, 16] float32 (linear_cpu.cpp), optional bias [N].
+// One projection: float32 panels [ceil(N / 16), K, 16] (linear_cpu.cpp, format "F32") or GGUF
+// tiles [ceil(N / 8), K / 32, tile bytes] (quantized_linear_cpu.cpp, format "Q8_0", "Q4_0", "Q4_1"),
+// optional bias [N].
 struct Projection {
-  torch::Tensor panels;
+  torch::Tensor weight;
+  std::string format;
   int64_t out_features;
   c10::optional<torch::Tensor> bias;
 
-  torch::Tensor operator()(const torch::Tensor& x) const { return linear_packed(x, panels, out_features, bias); }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (format == "F32") return linear_packed(x, weight, out_features, bias);
+    return linear_quantized(x, weight, format, out_features, bias);
+  }
 };
 
 struct Layer {
@@ -54,18 +61,15 @@ class DecoderStack {
         final_norm_(std::move(final_norm)) {}
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, int64_t qkv_out,
-                 c10::optional<torch::Tensor> qkv_bias, torch::Tensor o, int64_t o_out,
-                 c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, int64_t gate_up_out,
-                 c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down, int64_t down_out,
-                 c10::optional<torch::Tensor> down_bias) {
-    TORCH_CHECK(qkv_out == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv projection width disagrees with the heads");
+                 c10::optional<torch::Tensor> k_norm, Projection qkv, Projection o, Projection gate_up,
+                 Projection down) {
+    TORCH_CHECK(qkv.out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
+                "qkv projection width disagrees with the heads");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+    for (const Projection* p : {&qkv, &o, &gate_up, &down})
+      TORCH_CHECK(p->format == "F32" || linear_quantized_supported(), "no native product for format ", p->format);
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm), std::move(k_norm),
-                            Projection{std::move(qkv), qkv_out, std::move(qkv_bias)},
-                            Projection{std::move(o), o_out, std::move(o_bias)},
-                            Projection{std::move(gate_up), gate_up_out, std::move(gate_up_bias)},
-                            Projection{std::move(down), down_out, std::move(down_bias)}});
+                            std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -126,6 +130,9 @@ class DecoderStack {
 
 void bind_decoder_stack(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<Projection>(m, "Projection", "one projection's weight (float32 panels or GGUF tiles) and bias")
+      .def(py::init<torch::Tensor, std::string, int64_t, c10::optional<torch::Tensor>>(), py::arg("weight"),
+           py::arg("format"), py::arg("out_features"), py::arg("bias"));
   py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer of a Llama-family model in one native call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("final_norm"))

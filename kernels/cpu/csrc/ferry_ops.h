@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 namespace ferry {
 void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -20,5 +22,11 @@ bool linear_packed_supported();
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
                             const c10::optional<torch::Tensor>& bias);
+bool linear_quantized_supported();
+torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
+                               int64_t out_features, const c10::optional<torch::Tensor>& bias);
+torch::Tensor quantized_rows(const torch::Tensor& tiles, const std::string& qtype, int64_t out_features,
+                             const torch::Tensor& ids);
+double stream_sum(const torch::Tensor& buffer);
 void bind_decoder_stack(pybind11::module& m);
 }  // namespace ferry
