@@ -67,14 +67,21 @@ def test_key_names():
     k = Keys("ferry")
     assert k.queues("m") == ["ferry:q:m:high", "ferry:q:m:normal", "ferry:q:m:low"]
     assert (k.job("j"), k.events("j"), k.channel("j")) == ("ferry:job:j", "ferry:job:j:events", "ferry:job:j")
-    assert (k.idempotency("t", "x"), k.cancel, k.dlq, k.worker("w")) == (
-        "ferry:idem:t:x",
+    assert (k.cancel, k.dlq, k.worker("w"), k.model_limits("m")) == (
         "ferry:cancel",
         "ferry:dlq",
         "ferry:worker:w",
+        "ferry:model:m",
     )
     with pytest.raises(ValueError):
         k.queue("m", "urgent")
+
+
+def test_idempotency_names_are_one_per_tenant_and_key_whatever_they_hold():
+    k = Keys("ferry")
+    assert k.idempotency("t", "x") == k.idempotency("t", "x") and k.idempotency("t", "x").startswith("ferry:idem:")
+    pairs = [("acme", "x:K"), ("acme:x", "K"), ("acme", "xK"), ("acmex", "K"), ("", "acme:x:K"), ("acme:x:K", "")]
+    assert len({k.idempotency(t, key) for t, key in pairs}) == len(pairs)
 
 
 def test_events_round_trip_through_json_and_stream_fields():

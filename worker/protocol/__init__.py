@@ -45,8 +45,10 @@ from worker.protocol.jobs import (
     Timings,
     TokenLogprob,
     TopLogprob,
+    UnreadableRecord,
     Usage,
     Webhook,
+    job_id_created_at,
     new_job_id,
 )
 from worker.protocol.keys import GROUP, PRIORITIES, Keys
@@ -102,6 +104,8 @@ __all__ = [
     "event_json_tail",
     "event_stream_id",
     "event_to_fields",
+    "UnreadableRecord",
+    "job_id_created_at",
     "new_job_id",
     "seq_of_stream_id",
 ]

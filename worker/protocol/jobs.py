@@ -13,12 +13,22 @@ import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from worker.protocol.codec import compact_json, decoded
-from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS, Limit
+from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS, TOKEN_ID_MAX, Limit
 
 PROTOCOL_VERSION = 1
+JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # no ':' or '.': an id never spells another key's name
 
 
 class JobState(StrEnum):
@@ -72,6 +82,60 @@ WEBHOOK_EVENT_FOR = {
 }
 
 
+# --- what any JSON a request carries must be -----------------------------------------------------
+
+MAX_JSON_DEPTH = 64  # nesting of a whole request body (a JSON schema for structured outputs included)
+METADATA_MAX_DEPTH = 8  # nesting of `metadata`, returned as given (also in webhook bodies)
+METADATA_MAX_BYTES = 16 << 10  # `metadata` as compact JSON
+
+
+def json_problem(value: Any, max_depth: int, where: str = "") -> str | None:
+    """Why a decoded JSON value cannot be stored and handed back as given, or None: a string that
+    is not valid Unicode (a lone surrogate such as "\\udfff", which no UTF-8 encoder takes) or
+    nesting deeper than `max_depth`. Walked without recursion, so any depth is answered."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, where)]
+    while stack:
+        item, depth, path = stack.pop()
+        if len(path) > 80:
+            path = path[:60] + "..."
+        if depth > max_depth:
+            return f"{path or 'body'}: nested deeper than {max_depth} levels"
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path or 'body'}: not valid Unicode (a lone surrogate)"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str):
+                    stack.append((key, depth, f"{path}.{key}" if path else str(key)))
+                stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list | tuple):
+            stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json_problem` as a pydantic before-validator (ValueError: a 422 naming the place)."""
+    problem = json_problem(value, max_depth)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def check_metadata(value: dict[str, Any]) -> dict[str, Any]:
+    check_json(value, METADATA_MAX_DEPTH)
+    size = len(compact_json(value).encode())
+    if size > METADATA_MAX_BYTES:
+        raise ValueError(f"metadata is {size} bytes as JSON; at most {METADATA_MAX_BYTES} are kept")
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
+StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+TokenIds = list[Annotated[int, Strict(), Field(ge=0, le=TOKEN_ID_MAX)]]
+
+
 # --- sampling fields, from the one table -------------------------------------------------------
 
 
@@ -111,17 +175,27 @@ class TextPart(BaseModel):
     text: str
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class Message(BaseModel):
-    """One chat message (OpenAI shape; text content only)."""
+    """One chat message (OpenAI shape; text content only). Every role but `assistant` needs content."""
 
     model_config = ConfigDict(extra="forbid")
-    role: str
-    content: str | list[TextPart] = ""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def for_template(self) -> dict[str, str]:
         """The message as a chat template expects it: content as one string."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
         out = {"role": self.role, "content": text}
         if self.name is not None:
             out["name"] = self.name
@@ -160,21 +234,26 @@ class JobRequest(_JobSampling):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    prompt: str | list[int] | None = None
+    prompt: str | TokenIds | None = None
     messages: list[Message] | None = None
 
-    logprobs: bool = False
+    logprobs: Annotated[bool, Strict()] = False
     top_logprobs: sampling_annotation(LIMITS["logprobs"], nullable=False) = 0  # type: ignore[valid-type]
     n: Literal[1] = 1
 
     priority: Priority = Priority.normal
-    ttl_s: float | None = Field(default=None, gt=0)  # max time queued before it starts; None: worker default
-    timeout_s: float | None = Field(default=None, gt=0)  # max running time; None: worker default
+    ttl_s: Annotated[StrictFloat, Field(gt=0)] | None = None  # max time queued before it starts; None: worker default
+    timeout_s: Annotated[StrictFloat, Field(gt=0)] | None = None  # max running time; None: worker default
     tenant: str = "default"
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: Metadata = Field(default_factory=dict)
     webhook: Webhook | None = None
     created_at: float = Field(default_factory=time.time)  # unix seconds when the API accepted it
     cache_salt: str | None = None  # prefix-cache namespace (per tenant or per user)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data: Any) -> Any:
+        return check_json(data)
 
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
@@ -235,7 +314,7 @@ class Envelope(BaseModel):
     """One queue stream entry: which job, and how many times it has been (re)queued."""
 
     model_config = ConfigDict(extra="forbid")
-    job_id: str = Field(min_length=1)
+    job_id: str = Field(pattern=JOB_ID_PATTERN)
     attempt: int = Field(default=1, ge=1)
 
     def to_fields(self) -> dict[str, str]:
@@ -313,20 +392,41 @@ class JobRecord(BaseModel):
 
     @classmethod
     def from_redis(cls, mapping: dict) -> JobRecord | None:
-        """Decode HGETALL's answer (bytes or str); None for an empty answer (no such job)."""
+        """Decode HGETALL's answer (bytes or str); None for an empty answer (no such job).
+        Raises UnreadableRecord for a hash that is there but incomplete or malformed."""
         if not mapping:
             return None
         data: dict[str, Any] = dict(decoded(mapping))
-        for name in _JSON_FIELDS:
-            if name in data:
-                data[name] = _request_or_none(data[name]) if name == "request" else json.loads(data[name])
-        if "cancel" in data:
-            data["cancel"] = data["cancel"] == "1"
-        return cls.model_validate(data)
+        try:
+            for name in _JSON_FIELDS:
+                if name in data:
+                    data[name] = _request_or_none(data[name]) if name == "request" else json.loads(data[name])
+            if "cancel" in data:
+                data["cancel"] = data["cancel"] == "1"
+            return cls.model_validate(data)
+        except ValueError as exc:  # pydantic's ValidationError and json's errors are ValueErrors
+            raise UnreadableRecord(f"job record {data.get('id', '?')!r} is incomplete or malformed: {exc}") from exc
 
 
-def new_job_id() -> str:
-    return uuid.uuid4().hex
+def new_job_id(created_at: float | None = None) -> str:
+    """32 hex digits: the creation time in milliseconds (12), then 20 random. Ids sort by
+    creation, and an id says when its job was accepted even after the job's record is gone."""
+    millis = int((time.time() if created_at is None else created_at) * 1000)
+    return f"{millis & 0xFFFF_FFFF_FFFF:012x}{uuid.uuid4().hex[:20]}"
+
+
+def job_id_created_at(job_id: str) -> float | None:
+    """The creation time `new_job_id` put into an id (unix seconds); None for ids of another shape."""
+    if len(job_id) != 32:
+        return None
+    try:
+        return int(job_id[:12], 16) / 1000
+    except ValueError:
+        return None
+
+
+class UnreadableRecord(ValueError):
+    """A job hash that exists but does not parse (fields missing: written after its store lost it)."""
 
 
 def _request_or_none(value: str) -> JobRequest | None:

@@ -10,6 +10,8 @@ Celery's broker keys under `{p}:celery:`.
 
 from __future__ import annotations
 
+import hashlib
+
 PRIORITIES = ("high", "normal", "low")  # read order: a worker drains `high` before `normal` before `low`
 GROUP = "workers"  # the consumer group every worker of a model joins on its queue streams
 
@@ -40,7 +42,13 @@ class Keys:
         return f"{self.prefix}:job:{job_id}"
 
     def idempotency(self, tenant: str, key: str) -> str:
-        return f"{self.prefix}:idem:{tenant}:{key}"
+        """One name per (tenant, key) pair: both are hashed with their lengths, so no two pairs
+        share a name whatever characters they hold (`acme` + `x:K` is not `acme:x` + `K`)."""
+        digest = hashlib.sha256()
+        for part in (tenant, key):
+            raw = part.encode()
+            digest.update(len(raw).to_bytes(8, "little") + raw)
+        return f"{self.prefix}:idem:{digest.hexdigest()}"
 
     @property
     def cancel(self) -> str:
@@ -60,6 +68,10 @@ class Keys:
     @property
     def models(self) -> str:
         return f"{self.prefix}:models"
+
+    def model_limits(self, model: str) -> str:
+        """Hash: `vocab_size`, `max_model_len` of a served model, written by its workers."""
+        return f"{self.prefix}:model:{model}"
 
     # --- webhook delivery ---------------------------------------------------------------------------
 

@@ -82,19 +82,25 @@ return attempts
 """
 
 # Renew the leases of a worker's running entries. KEYS: one queue stream per entry.
-# ARGV: group, consumer, then the entry ids (aligned with KEYS). Returns the ids no longer ours.
+# ARGV: group, consumer, then the entry ids (aligned with KEYS). Returns {ids no longer ours,
+# streams without the group}: a stream that lost its group (Redis restarted empty, the stream
+# deleted) lost its pending entries with it, so they are no longer ours either.
 RENEW = """
-local lost = {}
+local lost, missing = {}, {}
 for k = 1, #KEYS do
   local id = ARGV[k + 2]
-  local p = redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1)
-  if #p == 0 or p[1][2] ~= ARGV[2] then
+  local p = redis.pcall('XPENDING', KEYS[k], ARGV[1], id, id, 1)
+  if type(p) == 'table' and p.err then
+    if not string.find(p.err, 'NOGROUP') then return redis.error_reply(p.err) end
+    table.insert(lost, id)
+    table.insert(missing, KEYS[k])
+  elseif #p == 0 or p[1][2] ~= ARGV[2] then
     table.insert(lost, id)
   else
     redis.call('XCLAIM', KEYS[k], ARGV[1], ARGV[2], 0, id, 'JUSTID')
   end
 end
-return lost
+return {lost, missing}
 """
 
 # Take new entries by strict priority in one round trip. KEYS: the queue streams, highest
@@ -127,7 +133,10 @@ return {out, missing}
 # job ends: result ttl, group, entry id, job hash field/value pairs...
 # Seq fencing: a seq already in the stream with other bytes is another worker's event (the job
 # was reclaimed): return 0 and write nothing more. The same bytes are our own retried write.
+# A job whose hash is gone (Redis lost it: a restart without persistence, an eviction) gets no
+# write at all: return -1. Writing would leave a partial hash and events of a job nobody knows.
 EMIT = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 local n = tonumber(ARGV[2])
 local i = 3
 for _ = 1, n do

@@ -32,7 +32,7 @@ class EnqueueResult(BaseModel):
 
 def _enqueue_call(keys: Keys, request: JobRequest, job_id: str | None, idempotency_key: str | None,
                   idempotency_ttl_s: int) -> tuple[list[str], list[str]]:
-    job_id = job_id or new_job_id()
+    job_id = job_id or new_job_id(request.created_at)
     record = JobRecord.new(job_id, request)
     redis_keys = [keys.job(job_id), keys.queue(request.model, request.priority.value)]
     if idempotency_key is not None:
