@@ -233,3 +233,29 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch, llama_dir):
         cached.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
         == local.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
     )
+
+
+def test_a_request_whose_own_processing_raises_fails_alone(llm):
+    """One request's data breaks while it runs (here an out-of-range stop id slipped past
+    validation): that request ends with finish_reason "error", the others get their own tokens."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+    engine.add_request("good", [5, 6, 7], params)
+    engine.add_request("bad", [8, 9, 10], SamplingParams(max_tokens=8, temperature=0.0, min_tokens=4))
+    engine.scheduler.requests["bad"].params.stop_token_ids.append(engine.arch.vocab_size + 3)
+    outs: dict[str, list] = {"good": [], "bad": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    assert outs["bad"][-1].finish_reason == "error" and "IndexError" in outs["bad"][-1].stop_reason
+    assert [t for o in outs["good"] for t in o.new_token_ids] == alone
+    assert engine.kv_usage().num_used_blocks == 0
+
+
+def test_stop_token_ids_beyond_the_vocabulary_are_refused(llm):
+    from worker.engine import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams, match="stop_token_ids"):
+        llm.engine.add_request("x", [1, 2], SamplingParams(stop_token_ids=[llm.engine.arch.vocab_size]))
+    assert not llm.engine.has_unfinished_requests()

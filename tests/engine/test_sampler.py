@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_request
-from worker.engine.sampler import sample
+from worker.engine.sampler import adjust_logits, sample
 
 VOCAB = 50
 
@@ -78,19 +78,17 @@ def test_repetition_penalty_follows_transformers_rule():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [0.0] * (VOCAB - 4)])
     request = make_request("r", 0, repetition_penalty=2.0, temperature=0.0)
     request.all_token_ids = [0, 1]  # seen: positive logit divided, negative multiplied
-    from worker.engine.sampler import apply_penalties
-
-    out = apply_penalties(logits.clone(), [request])
+    out = logits.clone()
+    assert adjust_logits(out, [request]) == {}
     assert out[0, :4].tolist() == [1.0, -4.0, 1.0, 0.5]
 
 
 def test_presence_and_frequency_penalties_count_output_tokens():
-    from worker.engine.sampler import apply_penalties
-
     request = make_request("r", 2, presence_penalty=0.5, frequency_penalty=0.25)
     for token in (3, 3, 4):
         request.append_output(token, None)
-    out = apply_penalties(torch.zeros(1, VOCAB), [request])
+    out = torch.zeros(1, VOCAB)
+    adjust_logits(out, [request])
     assert out[0, 3].item() == pytest.approx(-(0.5 + 2 * 0.25))
     assert out[0, 4].item() == pytest.approx(-(0.5 + 0.25))
     assert out[0, 0].item() == 0.0  # prompt tokens are not penalised by presence/frequency
@@ -118,3 +116,14 @@ def test_logprobs_are_top_n_of_the_raw_distribution_plus_the_sampled_token():
     for rank, (token, value) in enumerate(zip(top3.indices.tolist(), top3.values.tolist()), start=1):
         assert entry[token].rank == rank and math.isclose(entry[token].logprob, value, rel_tol=1e-5)
     assert out.token_ids[0] == top3.indices[0].item()
+
+
+def test_a_row_whose_own_data_raises_fails_alone():
+    good = make_request("good", 1, repetition_penalty=2.0, temperature=0.0, min_tokens=3)
+    bad = make_request("bad", 2, repetition_penalty=2.0, temperature=0.0, min_tokens=3)
+    bad.params.stop_token_ids.append(VOCAB + 7)  # data no validation let through: an index past the vocabulary
+    logits = torch.randn(2, VOCAB)
+    alone = logits[:1].clone()
+    out = sample(logits, [good, bad])
+    assert list(out.failed) == [1] and "IndexError" in out.failed[1]
+    assert out.token_ids[0] == sample(alone, [good]).token_ids[0]

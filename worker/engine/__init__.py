@@ -5,7 +5,7 @@ from worker.engine.engine import Engine, EngineStats
 from worker.engine.llm import LLM
 from worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from worker.engine.resume import Resume
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
 
 __all__ = [
     "LLM",
@@ -13,6 +13,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineStats",
+    "InvalidSamplingParams",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",

@@ -21,7 +21,7 @@ from worker.engine.prefix_io import PrefixBlocks
 from worker.engine.request import Request
 from worker.engine.resume import Resume
 from worker.engine.sampler import advance_generator
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
 from worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draft
@@ -194,6 +194,7 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
+        self.check_params(params)
         resumed = list(resume.token_ids) if resume is not None else []
         self._validate_resume(token_ids, resumed, params)
         request = Request(
@@ -221,6 +222,14 @@ class Engine:
             self.abort(request.request_id)
             self._pending.pop()  # nothing was queued: the caller gets the error instead of an abort output
             raise ValueError("the resumed tokens already end the request with a stop string")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the token ids must be this model's."""
+        bad = next((t for t in params.stop_token_ids if t >= self.arch.vocab_size), None)
+        if bad is not None:
+            raise InvalidSamplingParams(
+                f"invalid stop_token_ids: token id {bad} is beyond the vocabulary ({self.arch.vocab_size} ids)"
+            )
 
     def _validate_resume(self, prompt_ids: list[int], resumed: list[int], params: SamplingParams) -> None:
         if not resumed:
@@ -305,17 +314,33 @@ class Engine:
         now = time.monotonic()
         for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += num_new
+            failure = result.failed.get(request.request_id)
+            if failure is not None:
+                outputs.append(self._fail(request, failure))
+                continue
             tokens = result.sampled.get(request.request_id)
             if tokens is None:
                 continue  # a prefill chunk that did not reach the prompt's end
-            if request.spec.token_ids:
-                # Roll back over the rejected proposals: their KV is stale and will be overwritten.
-                request.num_computed_tokens -= len(request.spec.token_ids) - (len(tokens) - 1)
-                self.spec.record(request, len(tokens) - 1)
-            if self.spec is not None:  # blocks of rejected positions, and of proposals never verified
-                self.kv.trim(request)
-            outputs.append(self._append(request, tokens, result.logprobs.get(request.request_id), now))
+            try:
+                if request.spec.token_ids:
+                    # Roll back over the rejected proposals: their KV is stale and will be overwritten.
+                    request.num_computed_tokens -= len(request.spec.token_ids) - (len(tokens) - 1)
+                    self.spec.record(request, len(tokens) - 1)
+                if self.spec is not None:  # blocks of rejected positions, and of proposals never verified
+                    self.kv.trim(request)
+                outputs.append(self._append(request, tokens, result.logprobs.get(request.request_id), now))
+            except Exception as exc:  # one request's tokens (its detokenizer, its stop strings) raised
+                log.exception("request %s failed on its own output", request.request_id)
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
         return outputs
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """End one request whose own processing raised, with finish reason "error" and the message
+        as its stop reason; the rest of the batch goes on."""
+        if not request.is_finished:
+            self.scheduler.finish(request, "error", message)
+        self._detokenizers.pop(request.request_id, None)
+        return self._output(request, [], None)
 
     def _append(self, request: Request, tokens: list[int], logprobs: list | None, now: float) -> RequestOutput:
         """Append a step's tokens one by one: a stop condition met inside an accepted run of

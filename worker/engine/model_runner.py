@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,7 @@ class ModelInput:
 class StepOutput:
     sampled: dict[str, list[int]]  # request id -> its new tokens (accepted proposals + one sampled), where it sampled
     logprobs: dict[str, list[PositionLogprobs]]  # request id -> one entry per new token, where asked for
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why sampling it raised (it fails alone)
 
 
 class ModelRunner:
@@ -118,12 +119,14 @@ class ModelRunner:
             return StepOutput({}, {})
         if any(r.spec.token_ids for r in sampling):
             verified = verify(logits, sampling)
-            tokens, logprobs = verified.token_ids, verified.logprobs
+            tokens, logprobs, failed = verified.token_ids, verified.logprobs, verified.failed
         else:
             sampled: SamplerOutput = sample(logits, sampling)
             tokens = [[t] for t in sampled.token_ids]
             logprobs = [None if lp is None else [lp] for lp in sampled.logprobs]
+            failed = sampled.failed
         return StepOutput(
-            {r.request_id: t for r, t in zip(sampling, tokens, strict=True)},
+            {r.request_id: t for i, (r, t) in enumerate(zip(sampling, tokens, strict=True)) if i not in failed},
             {r.request_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None},
+            {sampling[i].request_id: message for i, message in failed.items()},
         )

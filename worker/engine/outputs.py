@@ -49,7 +49,7 @@ class RequestOutput:
     new_text: str  # text released in this step (stop strings held back until they cannot match)
     new_logprobs: list[PositionLogprobs] | None  # one entry per new token when logprobs were asked for
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (its own processing raised) once finished
     stop_reason: str | int | None  # the stop string or stop token id that ended it
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission

@@ -9,7 +9,7 @@ same tokens, whatever else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,33 +61,29 @@ Row = Request | SamplingRow
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[PositionLogprobs | None]  # one per row; None where not requested
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why its own adjustments raised (its token is void)
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Row]) -> torch.Tensor:
+def _penalise(logits: torch.Tensor, row: int, request: Row) -> None:
     """Repetition (prompt + output, transformers' rule), presence and frequency (output only)."""
     vocab = logits.shape[-1]
-    for row, request in enumerate(requests):
-        p = request.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(request.all_token_ids, dtype=torch.int64).clamp_(0, vocab - 1).unique()
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-            out = torch.tensor(request.output_token_ids, dtype=torch.int64).clamp_(0, vocab - 1)
-            counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(
-                0, out, torch.ones_like(out, dtype=logits.dtype)
-            )
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+    p = request.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(request.all_token_ids, dtype=torch.int64).clamp_(0, vocab - 1).unique()
+        values = logits[row, seen]
+        logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+        out = torch.tensor(request.output_token_ids, dtype=torch.int64).clamp_(0, vocab - 1)
+        counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+        logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def mask_min_tokens(logits: torch.Tensor, requests: Sequence[Row]) -> None:
-    for row, request in enumerate(requests):
-        p = request.params
-        if request.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
-            if banned:
-                logits[row, banned] = float("-inf")
+def _mask_min_tokens(logits: torch.Tensor, row: int, request: Row) -> None:
+    p = request.params
+    if request.num_output_tokens < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+        if banned:
+            logits[row, banned] = float("-inf")
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -152,11 +148,24 @@ def top_logprobs(raw_logits: torch.Tensor, row: int, token: int, n: int) -> Posi
     return result
 
 
-def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> None:
-    """Penalties, then the min_tokens mask, in place: what greedy argmax and sampling both see."""
-    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows):
-        apply_penalties(logits, rows)
-    mask_min_tokens(logits, rows)
+def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> dict[int, str]:
+    """Penalties, then the min_tokens mask, in place: what greedy argmax and sampling both see.
+
+    These are the only steps that read one request's own data row by row, so they are where one
+    request's bad data could raise: such a row is reported (row -> error) and left as it is, and
+    every other row is adjusted as usual. The batch-wide steps after it take validated numbers."""
+    failed: dict[int, str] = {}
+    penalised = any(
+        r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows
+    )
+    for row, request in enumerate(rows):
+        try:
+            if penalised:
+                _penalise(logits, row, request)
+            _mask_min_tokens(logits, row, request)
+        except Exception as exc:  # any error of one request's data: that request fails alone
+            failed[row] = f"{type(exc).__name__}: {exc}"
+    return failed
 
 
 def sampling_probs(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
@@ -175,7 +184,7 @@ def sampling_probs(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
 def sample(logits: torch.Tensor, requests: Sequence[Row]) -> SamplerOutput:
     """logits: [n, vocab] float32, row i for requests[i]. Rows are modified in place."""
     raw = logits.clone() if any(r.params.logprobs is not None for r in requests) else None
-    adjust_logits(logits, requests)
+    failed = adjust_logits(logits, requests)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if random_rows:
@@ -184,7 +193,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Row]) -> SamplerOutput:
         tokens[rows] = draw(sampling_probs(logits.index_select(0, rows), sub), sub)
     token_list = tokens.tolist()
     logprobs: list[PositionLogprobs | None] = [
-        None if r.params.logprobs is None else top_logprobs(raw, i, token_list[i], r.params.logprobs)
+        None if r.params.logprobs is None or i in failed else top_logprobs(raw, i, token_list[i], r.params.logprobs)
         for i, r in enumerate(requests)
     ]
-    return SamplerOutput(token_list, logprobs)
+    return SamplerOutput(token_list, logprobs, failed)

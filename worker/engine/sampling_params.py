@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS
 
 
+class InvalidSamplingParams(ValueError):
+    """A sampling value outside what is allowed; the message names the field."""
+
+
 def _default(name: str):
     return LIMITS[name].default
 
@@ -53,11 +57,13 @@ class SamplingParams:
             value = getattr(self, limit.name)
             problem = limit.check(value)
             if problem is not None:
-                raise ValueError(f"invalid {limit.name}={_short(value)}: {problem}")
+                raise InvalidSamplingParams(f"invalid {limit.name}={_short(value)}: {problem}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
+            raise InvalidSamplingParams(
+                f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})"
+            )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise ValueError(f"invalid cache_salt={_short(self.cache_salt)}: must be a string or None")
+            raise InvalidSamplingParams(f"invalid cache_salt={_short(self.cache_salt)}: must be a string or None")
 
     @property
     def greedy(self) -> bool:

@@ -167,6 +167,7 @@ class SpecDecoder:
 class VerifyOutput:
     token_ids: list[list[int]]  # per request: its accepted proposals, then one token of the target's
     logprobs: list[list[PositionLogprobs] | None]  # per request: one entry per token, where asked for
+    failed: dict[int, str] = field(default_factory=dict)  # request index -> why its rows could not be adjusted
 
 
 def verify(logits: torch.Tensor, requests: list[Request]) -> VerifyOutput:
@@ -200,7 +201,7 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> VerifyOutput:
     """
     rows = [SamplingRow(r, r.spec.token_ids[:i]) for r in requests for i in range(len(r.spec.token_ids) + 1)]
     raw = logits.clone() if any(r.params.logprobs is not None for r in requests) else None
-    adjust_logits(logits, rows)
+    failed_rows = adjust_logits(logits, rows)
     # A request's rows are all greedy or all random; each kind is worked on in one batch.
     greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -209,8 +210,17 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> VerifyOutput:
     out = VerifyOutput([], [])
     first = 0  # this request's first row in `rows`
     first_greedy = first_random = 0  # ... in `argmax`, in `probs`
-    for request in requests:
+    for index, request in enumerate(requests):
         k = len(request.spec.token_ids)
+        failure = next((failed_rows[r] for r in range(first, first + k + 1) if r in failed_rows), None)
+        if failure is not None:  # its rows are void: no tokens, and the request fails alone
+            out.failed[index] = failure
+            out.token_ids.append([])
+            out.logprobs.append(None)
+            first += k + 1
+            first_greedy += k + 1 if request.params.greedy else 0
+            first_random += 0 if request.params.greedy else k + 1
+            continue
         if request.params.greedy:
             tokens = _accept_greedy(request.spec.token_ids, argmax[first_greedy : first_greedy + k + 1])
             first_greedy += k + 1

@@ -182,7 +182,7 @@ class DraftProposer:
             if vocab >= self.vocab_size
             else F.pad(logits, (0, self.vocab_size - vocab), value=float("-inf"))
         )
-        adjust_logits(logits, rows)
+        adjust_logits(logits, rows)  # a row that fails there proposes junk: the target's verification fails it
         tokens = logits.argmax(dim=-1)
         dists: list[torch.Tensor | None] = [None] * len(rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
