@@ -60,6 +60,19 @@ class RedisServer:
             self.proc.wait(10)
             self.proc = None
 
+    def kill9(self) -> None:
+        """Die at once, as a crashed or evicted Redis does (it keeps nothing: the next start is empty)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
 
 def _pings(client: redis.Redis) -> bool:
     try:

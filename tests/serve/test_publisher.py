@@ -22,7 +22,7 @@ from worker.protocol import (
 from worker.serve.intake import Consumer
 from worker.serve.publisher import Publisher
 from worker.serve.settings import WorkerSettings
-from worker.serve.writes import HandBack, Progress, finish
+from worker.serve.writes import HandBack, Lost, Progress, finish
 
 pytestmark = pytest.mark.redis
 
@@ -101,12 +101,12 @@ def test_step_writes_then_terminal_write_acks_last(env):
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
     assert (
-        pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="a", token_ids=[5])], first_token_at=123.0)]) == set()
+        pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="a", token_ids=[5])], first_token_at=123.0)]) == {}
     )
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1
     final = finish(job.job_id, job.delivery, _done(3), "w1", {"text": "ab"},
                       events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])
-    assert pub.write([final]) == set()
+    assert pub.write([final]) == {}
     assert [f["seq"] for _, f in client.xrange(keys.events(job.job_id))] == ["0", "1", "2", "3"]
     rec = JobRecord.from_redis(client.hgetall(keys.job(job.job_id)))
     assert (rec.state.value, rec.text, rec.first_token_at) == ("succeeded", "ab", 123.0)
@@ -119,14 +119,14 @@ def test_a_seq_written_by_another_worker_means_the_job_is_lost(env):
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
     mine = TokenEvent(seq=1, text="a", token_ids=[5])
-    assert pub.write([Progress(job.job_id, [mine])]) == set()
-    assert pub.write([Progress(job.job_id, [mine])]) == set()  # a retry of our own write
+    assert pub.write([Progress(job.job_id, [mine])]) == {}
+    assert pub.write([Progress(job.job_id, [mine])]) == {}  # a retry of our own write
     theirs = TokenEvent(seq=2, text="x", token_ids=[9])
     client.xadd(keys.events(job.job_id), {"seq": "2", "type": "token", "data": theirs.model_dump_json()}, id="2-1")
     lost = pub.write(
         [finish(job.job_id, job.delivery, _done(3), "w1", events_before=[TokenEvent(seq=2, text="b", token_ids=[6])])]
     )
-    assert lost == {job.job_id}
+    assert lost == {job.job_id: Lost.TAKEN}
     assert client.hget(keys.job(job.job_id), "state") == "running"  # nothing after the refused event was written
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine import Engine, EngineStats, RequestOutput, Resume, SamplingParams
+from worker.engine import Engine, EngineStats, InvalidSamplingParams, RequestOutput, Resume, SamplingParams
 from worker.protocol import (
     ENGINE_PRIORITY,
     CancelledEvent,
@@ -235,6 +235,8 @@ class EngineLoop:
             self.engine.add_request(
                 job.job_id, prompt_ids, params, priority=ENGINE_PRIORITY[req.priority], resume=resume
             )
+        except InvalidSamplingParams as exc:
+            return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
         except ValueError as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
         except Exception as exc:
@@ -271,7 +273,9 @@ class EngineLoop:
         if out.finished:
             if out.finish_reason in ("stop", "length"):
                 return self._complete(run, out.finish_reason, out.stop_reason, out.metrics.inter_token_latencies)
-            return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, f"engine ended the request ({out.finish_reason})")
+            detail = f": {out.stop_reason}" if out.finish_reason == "error" else ""
+            message = f"engine ended the request ({out.finish_reason}{detail})"
+            return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, message)
         events, run.pending = run.pending, []
         if not events and first_token_at is None:
             return None

@@ -176,7 +176,10 @@ class Consumer:
                 pipe.hget(self.keys.job(job_id), "cancel")
             return pipe
 
-        lost_entries, *flags = lua.raise_errors(lua.execute(build, [self._renew]))
+        (lost_entries, missing), *flags = lua.raise_errors(lua.execute(build, [self._renew]))
+        if missing:
+            log.warning("queue streams lost their group: recreating it", extra={"streams": missing})
+            self.ensure_groups()
         lost = {job_id for job_id, d in held if d.entry_id in set(lost_entries)}
         cancelled = {job_id for (job_id, _), flag in zip(held, flags, strict=True) if flag == "1"}
         return lost, cancelled

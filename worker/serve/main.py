@@ -34,11 +34,12 @@ from worker.serve.metrics import WorkerMetrics
 from worker.serve.publisher import Publisher, PublisherThread
 from worker.serve.retry import UNAVAILABLE, Stopped, call_with_backoff
 from worker.serve.settings import WorkerSettings
-from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, ends_job
+from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, ends_job
 from worker.snapshots.stats import SnapshotCollector, SnapshotStats
 
 log = logging.getLogger("ferry.worker")
 
+MODEL_LIMITS_TTL_S = 7 * 86400  # a model scaled to zero keeps its limits known to the API this long
 _FIRST_CHUNK = 8  # jobs of a burst decided and started first, so the engine can start stepping early
 _HAND_BACK_WAIT_S = 10.0  # how long a drain waits for hand-backs to reach Redis before leaving them to the reaper
 
@@ -59,6 +60,10 @@ class Worker:
         self.leases: dict[str, Delivery] = {}  # job id -> its queue entry, from start until its last write
         self._leases_lock = threading.Lock()
         self._room = threading.Event()
+        self._renew_now = threading.Event()  # renew the leases before the interval runs out (Redis restarted)
+        self._redis_run_id: str | None = None  # the Redis server's run id at the last heartbeat
+        self._intake_ok_at = 0.0  # monotonic time the intake last went round its loop
+        self.model_limits: dict[str, str] = {}  # what the API checks requests against (vocab size, context)
         self._ready = False
         self.engine = None
         self.runner = None
@@ -79,8 +84,7 @@ class Worker:
         threading.excepthook = self._thread_crashed
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._begin_drain("signal"))
-        http = serve(self.settings.metrics_host, self.settings.metrics_port, self.metrics.registry,
-                     lambda: self._ready and not self.draining.is_set())
+        http = serve(self.settings.metrics_host, self.settings.metrics_port, self.metrics.registry, self._is_ready)
         try:
             self._load_engine()
             if self.draining.is_set():
@@ -98,13 +102,21 @@ class Worker:
             self.stop.set()
             http.shutdown()
 
+    def _is_ready(self) -> bool:
+        """/readyz: loaded, not draining, and the intake went round its loop recently (it is stuck
+        in a retry while Redis is unreachable, and then the worker takes no job)."""
+        intake_stale_s = max(5.0, 4 * self.settings.read_block_ms / 1000)
+        return self._ready and not self.draining.is_set() and time.monotonic() - self._intake_ok_at < intake_stale_s
+
     def _thread_crashed(self, args: threading.ExceptHookArgs) -> None:
-        """A worker thread died: the process cannot keep its promises, so it exits at once. Its jobs
-        are not ACKed; another worker reclaims them after the lease."""
-        log.critical("thread crashed: exiting", exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
-                     extra={"thread": args.thread.name if args.thread else None})
-        logging.shutdown()
-        os._exit(70)
+        """A worker thread died: the process cannot keep its promises, so it exits at once (non-zero:
+        the orchestrator restarts it). Its jobs are not ACKed; another worker reclaims them after the lease."""
+        try:
+            log.critical("thread crashed: exiting", exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+                         extra={"thread_name": args.thread.name if args.thread else None})
+            logging.shutdown()
+        finally:
+            os._exit(70)
 
     def _load_engine(self) -> None:
         import torch
@@ -126,6 +138,8 @@ class Worker:
             self.snapshots.restore()
             idle_task = self.snapshots.save_if_due
         self.fingerprint = fingerprint(self.engine)
+        self.model_limits = {"vocab_size": str(self.engine.arch.vocab_size),
+                             "max_model_len": str(self.engine.max_model_len)}
         log.info("engine loaded", extra={"model": self.model, "seconds": round(time.monotonic() - started, 2),
                                          "fingerprint": self.fingerprint})
         self.runner = EngineLoop(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, idle_task)
@@ -209,7 +223,9 @@ class Worker:
         try:
             while not self.draining.is_set():
                 now = time.monotonic()
-                if now >= next_renew:
+                self._intake_ok_at = now
+                if now >= next_renew or self._renew_now.is_set():
+                    self._renew_now.clear()
                     self._backoff("renew leases", self.draining, self._renew)
                     next_renew = now + s.lease_renew_interval_s
                 self._room.clear()
@@ -293,22 +309,27 @@ class Worker:
             self.leases.pop(job_id, None)
         self._room.set()
 
-    def _on_written(self, writes: list[JobWrite], lost: set[str]) -> None:
+    def _on_written(self, writes: list[JobWrite], lost: dict[str, Lost]) -> None:
         """Called once writes reached Redis: ended and handed-back jobs free their slot."""
         for w in writes:
             if not ends_job(w) or w.job_id in lost:
                 continue
             if isinstance(w, Finish):
                 self.metrics.jobs.labels(w.state).inc()
-                log.info(
-                    "job finished", extra={"job_id": w.job_id, "state": w.state, "code": w.result.get("error_code")}
-                )
+                code = w.result.get("error_code")
+                log.info("job finished", extra={"job_id": w.job_id, "state": w.state, "code": code})
             else:
                 self.metrics.handed_back.inc()
                 log.info("job handed back", extra={"job_id": w.job_id})
             self._release(w.job_id)
-        for job_id in lost:
-            log.warning("job lost to another worker", extra={"job_id": job_id})
+        for job_id, reason in lost.items():
+            with self._leases_lock:
+                first_report = job_id in self.leases
+            if not first_report:  # writes already in flight when the first one found the job lost
+                continue
+            log.warning("job lost", extra={"job_id": job_id, "reason": reason.value})
+            if reason is Lost.RECORD_GONE:
+                self.metrics.records_lost.inc()
             self._release(job_id)
             self.runner.abort(job_id, lost=True)
 
@@ -354,13 +375,34 @@ class Worker:
                 pipe.expire(self.keys.worker(self.worker_id), max(1, int(s.heartbeat_ttl_s)))
                 pipe.zadd(self.keys.workers, {self.worker_id: now})
                 pipe.zadd(self.keys.models, {self.model: now})
+                pipe.hset(self.keys.model_limits(self.model), mapping=self.model_limits)
+                pipe.expire(self.keys.model_limits(self.model), MODEL_LIMITS_TTL_S)
+                pipe.info("server")
                 for stream in self.consumer.streams:
                     pipe.xinfo_groups(stream)
-                *_, groups_a, groups_b, groups_c = pipe.execute(raise_on_error=False)
-                self.metrics.queue_lag.set(sum(_lag(g) for g in (groups_a, groups_b, groups_c)))
+                results = pipe.execute(raise_on_error=False)
+                groups = results[-len(self.consumer.streams):]
+                self.metrics.queue_lag.set(sum(_lag(g) for g in groups))
+                self._note_run_id(results[-len(self.consumer.streams) - 1])
             except UNAVAILABLE:
                 pass  # the intake logs the outage; the key's TTL tells the others
             self.stop.wait(s.heartbeat_interval_s)
+
+    def _note_run_id(self, info) -> None:
+        """A Redis that restarted (a new run id) may have come back empty: recreate the consumer
+        groups now and renew the leases at once, so jobs whose entries are gone stop here."""
+        run_id = info.get("run_id") if isinstance(info, dict) else None
+        if run_id is None:
+            return
+        if self._redis_run_id is not None and run_id != self._redis_run_id:
+            log.warning("redis restarted: recreating consumer groups", extra={"run_id": run_id})
+            try:
+                self.consumer.ensure_groups()
+            except UNAVAILABLE:
+                return  # the next heartbeat tries again
+            self._renew_now.set()
+            self._room.set()
+        self._redis_run_id = run_id
 
 
 def _lag(groups) -> int:

@@ -25,7 +25,7 @@ import redis
 from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
 from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.serve.retry import Stopped, call_with_backoff
-from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Progress
+from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
 
 log = logging.getLogger("ferry.worker.publisher")
 
@@ -42,8 +42,8 @@ class Publisher:
         self._emit = client.register_script(lua.EMIT)
         self._hand_back = client.register_script(lua.HAND_BACK)
 
-    def write(self, writes: list[JobWrite]) -> set[str]:
-        """One pipelined round trip for all `writes`; returns the ids of jobs found lost to another worker."""
+    def write(self, writes: list[JobWrite]) -> dict[str, Lost]:
+        """One pipelined round trip for all `writes`; returns the jobs found no longer this worker's."""
         answers: list[str | None] = []  # job id whose emit result comes at this position, else None
 
         def build():
@@ -65,14 +65,14 @@ class Publisher:
             return pipe
 
         results = lua.execute(build, [self._emit, self._hand_back])
-        lost = set()
+        lost: dict[str, Lost] = {}
         for job_id, result in zip(answers, results, strict=True):
             if isinstance(result, Exception) and not isinstance(result, redis.ResponseError):
                 raise result
             if isinstance(result, Exception):
                 log.error("redis refused a write", extra={"job_id": job_id, "error": str(result)})
-            elif job_id is not None and result == 0:
-                lost.add(job_id)
+            elif job_id is not None and result in (0, -1):
+                lost[job_id] = Lost.TAKEN if result == 0 else Lost.RECORD_GONE
         return lost
 
     def _add_emit(self, pipe, w: Progress | Finish | HandBack) -> None:
@@ -107,7 +107,7 @@ class Publisher:
 class PublisherThread:
     """Drains the engine's writes into Redis: everything queued goes out in one round trip."""
 
-    def __init__(self, publisher: Publisher, on_written: Callable[[list[JobWrite], set[str]], None],
+    def __init__(self, publisher: Publisher, on_written: Callable[[list[JobWrite], dict[str, Lost]], None],
                  stop: threading.Event, max_delay_s: float) -> None:
         self.publisher = publisher
         self.on_written = on_written

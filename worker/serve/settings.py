@@ -73,8 +73,10 @@ class WorkerSettings(BaseSettings):
     s3_endpoint_url: str | None = None
 
     # Process behaviour
+    # /healthz, /readyz and /metrics answer anyone who reaches them (no auth): bind them to the pod
+    # network deliberately (Kubernetes: the pod IP from the downward API), never to every interface.
     metrics_port: int = 9300
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     idle_timeout_s: float | None = None  # exit after this long with nothing to do (scale to zero)
     drain_timeout_s: float = 30.0  # grace for in-flight jobs after SIGTERM before handing them back
     heartbeat_interval_s: float = 2.0

@@ -14,6 +14,7 @@ with one script call in the next round trip:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from pydantic import BaseModel
 
@@ -65,6 +66,13 @@ class Discard:
 
 
 JobWrite = Progress | Finish | HandBack | Discard
+
+
+class Lost(StrEnum):
+    """Why a write found the job no longer this worker's: it stops the job and writes nothing more."""
+
+    TAKEN = "taken over by another worker"  # its queue entry was reclaimed during a stall
+    RECORD_GONE = "its record is gone from Redis"  # a restart without persistence, or an eviction
 
 
 def finish(job_id: str, delivery: Delivery, event: BaseModel, worker_id: str, result: dict[str, str] | None = None,
