@@ -84,7 +84,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     field = _field_name(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return error_response(422, "invalid_json", f"request body is not valid JSON: {first.get('msg')}")
-    message = str(first.get("msg", "invalid request"))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return error_response(422, "invalid_request", f"{field}: {message}" if field else message, field)
 
 

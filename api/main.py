@@ -59,9 +59,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # A blocking pool: under a burst, requests queue for a connection instead of failing.
+        # Socket timeouts: with Redis paused or gone, a request fails (503 + Retry-After) within
+        # about a second instead of hanging for the whole outage.
         pool = aredis.BlockingConnectionPool.from_url(
             settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
-            timeout=settings.redis_pool_timeout_s,
+            timeout=settings.redis_pool_timeout_s, socket_connect_timeout=settings.redis_socket_timeout_s,
+            socket_timeout=settings.redis_socket_timeout_s,
         )
         client = aredis.Redis.from_pool(pool)
         hub = PubSubHub(client)
@@ -109,5 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower(), access_log=False)
+    # Open streams (SSE, OpenAI streams) are closed once the grace period after SIGTERM is over.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=settings.shutdown_grace_s)
     return 0

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from api.streaming import SSE_EVENT_SCHEMA
 from worker.protocol import Message
-from worker.protocol.jobs import sampling_annotation, sampling_fields
+from worker.protocol.jobs import TokenIds, check_json, sampling_annotation, sampling_fields
 from worker.protocol.sampling import LIMITS
 
 
@@ -39,15 +39,22 @@ _LOGPROBS = sampling_annotation(LIMITS["logprobs"])
 _MAX_TOKENS = sampling_annotation(LIMITS["max_tokens"], nullable=True)
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+class _Body(_SamplingFields):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data: Any) -> Any:
+        return check_json(data)
+
+
+class CompletionRequest(_Body):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: _LOGPROBS = None  # type: ignore[valid-type]
     echo: bool = Field(default=False, description="not supported: must be false")
     suffix: str | None = Field(default=None, description="not supported")
     best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: _MAX_TOKENS = None  # type: ignore[valid-type]
     logprobs: bool = False

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
-from worker.protocol.jobs import sampling_annotation
+from worker.protocol.jobs import Metadata, StrictFloat, check_json, sampling_annotation
 from worker.protocol.sampling import LIMITS
 
 # JobRequest fields the API sets itself or takes from the job envelope rather than from `input`.
@@ -32,9 +32,16 @@ class JobCreate(BaseModel):
     input: JobInput  # type: ignore[valid-type]
     webhook: Webhook | None = None
     priority: Priority = Priority.normal
-    ttl_s: float | None = Field(default=None, gt=0, description="max seconds queued before it starts")
-    timeout_s: float | None = Field(default=None, gt=0, description="max seconds running")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="returned as given, also in webhooks")
+    ttl_s: Annotated[StrictFloat, Field(gt=0)] | None = Field(
+        default=None, description="max seconds queued before it starts"
+    )
+    timeout_s: Annotated[StrictFloat, Field(gt=0)] | None = Field(default=None, description="max seconds running")
+    metadata: Metadata = Field(default_factory=dict, description="returned as given, also in webhooks")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data: Any) -> Any:
+        return check_json(data)
 
 
 class JobOutput(BaseModel):

@@ -8,8 +8,11 @@ relay.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
 from fastapi import Request
@@ -19,10 +22,20 @@ from api.auth import KeyRing
 from api.errors import ApiError, not_found
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
-from worker.protocol import EnqueueResult, JobRecord, JobRequest, Keys, enqueue_job_async
+from worker.protocol import (
+    EnqueueResult,
+    JobRecord,
+    JobRequest,
+    Keys,
+    UnreadableRecord,
+    enqueue_job_async,
+    job_id_created_at,
+)
+from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
 from worker.protocol.keys import watch_value
 
 MODEL_CACHE_S = 1.0
+_RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is refused
 
 
 class ApiMetrics:
@@ -49,6 +62,9 @@ class Services:
     configured_models: frozenset[str]  # FERRY_MODELS: accepted even with no live worker
     # (monotonic time, names): live models as last read, reused for routing for MODEL_CACHE_S
     models_seen: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
+    models_remembered: frozenset[str] = frozenset()  # seen live (or with limits) by this process: routable
+    limits_seen: dict[str, tuple[float, ModelLimits | None]] = field(default_factory=dict)
+    redis_started: tuple[float, float] = (float("-inf"), 0.0)  # (monotonic read time, unix start time)
 
 
 async def services(request: Request) -> Services:
@@ -68,10 +84,15 @@ async def _routable_models(svc: Services) -> frozenset[str]:
     if time.monotonic() - seen_at > MODEL_CACHE_S:
         names = frozenset(await live_models(svc))
         svc.models_seen = (time.monotonic(), names)
-    return names | svc.configured_models
+        svc.models_remembered |= names
+    return names | svc.configured_models | svc.models_remembered
 
 
 async def resolve_model(svc: Services, name: str | None, field: str = "model") -> str:
+    """The model a request goes to. A model is served while a worker of it sends heartbeats, and
+    stays routable (its jobs queue until a worker scales up) when it is configured (FERRY_MODELS),
+    was seen live by this process, or left its limits in Redis (workers write them for a week):
+    a Redis restart or a pool scaled to zero is never a 404."""
     known = await _routable_models(svc)
     if name is None:
         if len(known) == 1:
@@ -80,8 +101,47 @@ async def resolve_model(svc: Services, name: str | None, field: str = "model") -
             raise ApiError(404, "model_not_found", "no model is being served right now", field=field)
         raise ApiError(422, "invalid_request", f"{field}: required while {len(known)} models are served", field=field)
     if name not in known:
-        raise ApiError(404, "model_not_found", f"model {name!r} is not served", field=field)
+        if await model_limits(svc, name) is None:
+            raise ApiError(404, "model_not_found", f"model {name!r} is not served", field=field)
+        svc.models_remembered |= {name}
     return name
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+async def model_limits(svc: Services, model: str) -> ModelLimits | None:
+    """What the model's workers reported of it (None: no worker of it has run yet)."""
+    cached = svc.limits_seen.get(model)
+    if cached is not None and time.monotonic() - cached[0] < MODEL_CACHE_S:
+        return cached[1]
+    raw = await svc.redis.hgetall(svc.keys.model_limits(model))
+    try:
+        limits = ModelLimits(int(raw["vocab_size"]), int(raw["max_model_len"])) if raw else None
+    except (KeyError, ValueError):
+        limits = None
+    svc.limits_seen[model] = (time.monotonic(), limits)
+    return limits
+
+
+async def check_against_model(svc: Services, request: JobRequest, prefix: str = "") -> None:
+    """Token ids the model cannot have (a prompt's, stop_token_ids) are a 422 here, before the job
+    is queued: in the engine such an id would fail the request."""
+    limits = await model_limits(svc, request.model)
+    if limits is None:
+        return  # no worker has reported the model yet: the engine checks, and fails only that job
+    checks = [("stop_token_ids", request.stop_token_ids or [])]
+    if isinstance(request.prompt, list):
+        checks.append(("prompt", request.prompt))
+    for name, ids in checks:
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            field = f"{prefix}{name}"
+            message = f"{field}: token id {bad} is beyond the vocabulary of {request.model!r} ({limits.vocab_size} ids)"
+            raise ApiError(422, "invalid_request", message, field=field)
 
 
 async def _check_queue(svc: Services, model: str) -> None:
@@ -99,11 +159,46 @@ async def _check_queue(svc: Services, model: str) -> None:
 
 
 async def get_job(svc: Services, job_id: str, tenant: str) -> JobRecord:
-    """The job if it exists and belongs to `tenant`; otherwise 404 (never 403: ids do not leak)."""
-    record = JobRecord.from_redis(await svc.redis.hgetall(svc.keys.job(job_id)))
-    if record is None or record.tenant != tenant:
+    """The job if it exists and belongs to `tenant`; otherwise 404 (never 403: ids do not leak).
+
+    A job accepted before Redis last started, whose record is gone or incomplete, is a 404 with
+    the code `job_state_lost` (Redis restarted without persistence): a definite answer, never a 500."""
+    try:
+        record = JobRecord.from_redis(await svc.redis.hgetall(svc.keys.job(job_id)))
+    except UnreadableRecord:
+        raise job_state_lost(job_id) from None
+    if record is None:
+        if await _lost_in_restart(svc, job_id):
+            raise job_state_lost(job_id)
+        raise not_found("job", job_id)
+    if record.tenant != tenant:
         raise not_found("job", job_id)
     return record
+
+
+def job_state_lost(job_id: str) -> ApiError:
+    return ApiError(404, "job_state_lost", f"job {job_id!r} was accepted, but the job store lost its record "
+                    "(Redis restarted without persistence): it will not finish; submit it again")
+
+
+async def _lost_in_restart(svc: Services, job_id: str) -> bool:
+    """Whether the id names a job accepted before Redis last started, recently enough that its
+    record would still be there (the id carries its creation time: `new_job_id`)."""
+    created = job_id_created_at(job_id)
+    if created is None or time.time() - created > svc.settings.result_ttl_s + svc.settings.job_ttl_s:
+        return False
+    # Redis reports its uptime in whole seconds: a job within a second of the start is not claimed lost.
+    return created < await redis_started_at(svc) - 1.0
+
+
+async def redis_started_at(svc: Services) -> float:
+    """Unix time the Redis server started (from INFO; read at most once per MODEL_CACHE_S)."""
+    read_at, started = svc.redis_started
+    if time.monotonic() - read_at > MODEL_CACHE_S:
+        info = await svc.redis.info("server")
+        started = time.time() - float(info["uptime_in_seconds"])
+        svc.redis_started = (time.monotonic(), started)
+    return started
 
 
 def _same_request(a: JobRequest, b: JobRequest) -> bool:
@@ -111,7 +206,10 @@ def _same_request(a: JobRequest, b: JobRequest) -> bool:
 
 
 async def _replay(svc: Services, request: JobRequest, job_id: str) -> EnqueueResult:
-    existing = JobRecord.from_redis(await svc.redis.hgetall(svc.keys.job(job_id)))
+    try:
+        existing = JobRecord.from_redis(await svc.redis.hgetall(svc.keys.job(job_id)))
+    except UnreadableRecord:
+        existing = None
     if existing is None or existing.request is None or not _same_request(existing.request, request):
         raise ApiError(
             409,
@@ -123,12 +221,34 @@ async def _replay(svc: Services, request: JobRequest, job_id: str) -> EnqueueRes
     return EnqueueResult(job_id=job_id, created=False)
 
 
+async def check_webhook_url(svc: Services, url: str, field: str = "webhook.url") -> None:
+    """Refuse, before anything is queued, a webhook URL the webhook worker would refuse to deliver
+    to (the worker checks again at delivery: DNS may change in between)."""
+    try:
+        host, port = check_url_shape(url)
+        literal = literal_address(host)
+        if literal is not None:
+            addresses = [literal]
+        else:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S
+            )
+            addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        check_addresses(host, addresses, svc.settings.webhook_allow_private)
+    except RefusedUrl as exc:
+        raise ApiError(422, "webhook_refused", f"{field}: {exc}", field=field) from None
+    except (OSError, TimeoutError, UnicodeError) as exc:
+        raise ApiError(422, "webhook_refused", f"{field}: cannot resolve the host ({exc})", field=field) from None
+
+
 async def submit(svc: Services, request: JobRequest, idempotency_key: str | None, source: str) -> EnqueueResult:
     """Enqueue `request` (already routed to a model and stamped with its tenant)."""
     if idempotency_key is not None:
         known = await svc.redis.get(svc.keys.idempotency(request.tenant, idempotency_key))
         if known is not None:
             return await _replay(svc, request, known)
+    if request.webhook is not None:
+        await check_webhook_url(svc, request.webhook.url)
     await _check_queue(svc, request.model)
     result = await enqueue_job_async(
         svc.redis, svc.keys, request, idempotency_key=idempotency_key, idempotency_ttl_s=svc.settings.idempotency_ttl_s

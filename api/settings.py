@@ -11,7 +11,8 @@ class ApiSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "ferry"
     redis_max_connections: int = 64  # the API's pool; requests wait for a free connection
-    redis_pool_timeout_s: float = 10.0  # longest wait for one (then 503)
+    redis_pool_timeout_s: float = 2.0  # longest wait for one (then 503)
+    redis_socket_timeout_s: float = 1.0  # connect and read timeout of every Redis call (then 503)
     host: str = "0.0.0.0"
     port: int = 8000
     # API keys: comma-separated "sha256hex:tenant" pairs, or a file with one pair per line.
@@ -31,4 +32,6 @@ class ApiSettings(BaseSettings):
     job_timeout_s: float = 600.0
     result_ttl_s: int = 86400
     sse_keepalive_s: float = 15.0
+    webhook_allow_private: bool = False  # webhook URLs on private/loopback addresses (the webhook worker's setting too)
+    shutdown_grace_s: float = 10.0  # after SIGTERM: how long open streams may go on before they are closed
     log_level: str = "INFO"

@@ -22,7 +22,7 @@ import anyio
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields
+from worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields, seq_of_stream_id
 
 log = logging.getLogger("ferry.api")
 
@@ -106,9 +106,14 @@ async def read_events_after(client: aredis.Redis, keys: Keys, job_id: str, after
         start = f"({entries[-1][0]}"
 
 
-async def _is_terminal(client: aredis.Redis, keys: Keys, job_id: str, seq: int) -> bool:
-    entries = await client.xrange(keys.events(job_id), min=f"{seq}-1", max=f"{seq}-1")
-    return bool(entries) and entries[0][1].get("type") in TERMINAL_EVENT_TYPES
+async def _ended_by(client: aredis.Redis, keys: Keys, job_id: str, seq: int) -> bool:
+    """Whether the job's terminal event is stored with a seq of at most `seq`: a follower who has
+    everything up to `seq` (or claims to, with a Last-Event-ID beyond the end) has nothing to wait for."""
+    entries = await client.xrevrange(keys.events(job_id), count=1)
+    if not entries:
+        return False
+    entry_id, fields = entries[0]
+    return fields.get("type") in TERMINAL_EVENT_TYPES and seq_of_stream_id(entry_id) <= seq
 
 
 async def follow_events(
@@ -120,8 +125,8 @@ async def follow_events(
     that fell behind) goes out in one write. Yields None after `idle_s` without an event (time
     for a keep-alive).
     """
-    if after >= 0 and await _is_terminal(client, keys, job_id, after):
-        return  # resuming after the last event: nothing follows
+    if after >= 0 and await _ended_by(client, keys, job_id, after):
+        return  # resuming at or after the last event: nothing follows
     async with hub.subscribe(keys.channel(job_id)) as live:
         last = after
         while True:
@@ -137,6 +142,8 @@ async def follow_events(
                     first = live.get_nowait() if not live.empty() else await asyncio.wait_for(live.get(), idle_s)
                 except TimeoutError:
                     yield None
+                    if await _ended_by(client, keys, job_id, last):
+                        return  # the end was at or before where this follower started
                     break  # re-read the stream after every idle spell: nothing can stay missed
                 batch, resync = [], False
                 for data in [first, *(live.get_nowait() for _ in range(live.qsize()))]:
@@ -145,6 +152,8 @@ async def follow_events(
                         break
                     event = decode_event(data)
                     if event.seq <= last:
+                        if event.type in TERMINAL_EVENT_TYPES:
+                            return  # the job ended where this follower already is
                         continue
                     if event.seq != last + 1:
                         resync = True  # a gap: the stream has what pub/sub skipped

@@ -23,7 +23,7 @@ from api.schemas import (
     WebhookDelivery,
     error_responses,
 )
-from api.services import Services, get_job, resolve_model, services, submit
+from api.services import Services, check_against_model, get_job, resolve_model, services, submit
 from api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -34,10 +34,11 @@ from worker.protocol import (
     cancel_job_async,
     encode_event,
 )
+from worker.protocol.jobs import JOB_ID_PATTERN
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-JobId = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN)]  # checked before any Redis call: an id never names another key
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
@@ -131,6 +132,7 @@ async def create_job(
 ):
     model = await resolve_model(svc, body.input.model, field="input.model")
     request = job_request(body, model, tenant_name, svc)
+    await check_against_model(svc, request, prefix="input.")
     result = await submit(svc, request, idempotency_key, source="jobs")
     wait_s = _prefer_wait(prefer, svc.settings.max_wait_s)
     if wait_s > 0:

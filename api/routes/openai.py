@@ -32,7 +32,7 @@ from api.openai_schemas import (
     sse_200,
 )
 from api.schemas import error_responses
-from api.services import Services, resolve_model, services, submit
+from api.services import Services, check_against_model, resolve_model, services, submit
 from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -232,6 +232,7 @@ async def _cancel_quietly(svc: Services, job_id: str) -> None:
 
 async def _answer(svc: Services, http: Request, job: JobRequest, shape_for: Callable[[str], Shape], stream: bool,
                   include_usage: bool):
+    await check_against_model(svc, job)
     result = await submit(svc, job, None, source="openai")
     shape = shape_for(result.job_id)
     events = follow_events(svc.redis, svc.hub, svc.keys, result.job_id, idle_s=_TICK_S)

@@ -1,0 +1,307 @@
+"""The API against hostile input and a failing Redis: every answer a definite 4xx or 503, nothing
+queued for bad input, one tenant never reaching another's jobs. An in-process app over a private
+redis-server (a real one: killed, restarted empty, paused), and `ferry api` as a subprocess for
+its shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api.auth import hash_key
+from api.main import create_app
+from api.settings import ApiSettings
+from tests.api.conftest import free_port, new_prefix
+from tests.serve.conftest import REPO, RedisServer, wait_for
+from worker.protocol import CompletedEvent, Keys, Timings, Usage, event_to_fields, new_job_id
+from worker.protocol.addresses import RefusedUrl
+from worker.webhooks.delivery import resolve_target
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def private(tmp_path):
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill9()
+
+
+@contextlib.contextmanager
+def app_on(server: RedisServer, **overrides):
+    prefix = new_prefix()
+    settings = ApiSettings(redis_url=server.url, key_prefix=prefix, **overrides)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        client.keys = Keys(prefix)
+        client.redis = redis.Redis.from_url(server.url, decode_responses=True)
+        yield client
+
+
+def queued(client) -> int:
+    return sum(client.redis.xlen(q) for q in client.keys.queues("tiny"))
+
+
+def error(r, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    if code is not None:
+        assert body["code"] == code, body
+    return body
+
+
+# --- job records Redis lost --------------------------------------------------------------------
+
+
+def test_a_record_redis_lost_is_a_definite_404_never_a_500(private):
+    with app_on(private, models="tiny") as api:
+        job_id = api.post("/v1/jobs", json={"input": {"prompt": "x", "max_tokens": 2}}).json()["id"]
+        # A worker's write after a restart used to leave exactly this: a hash without its request.
+        api.redis.delete(api.keys.job(job_id))
+        api.redis.hset(api.keys.job(job_id), mapping={"state": "succeeded", "text": "half"})
+        error(api.get(f"/v1/jobs/{job_id}"), 404, "job_state_lost")
+        error(api.get(f"/v1/jobs/{job_id}/events"), 404, "job_state_lost")
+        error(api.get(f"/v1/jobs/{new_job_id()}"), 404, "job_not_found")
+
+
+def test_jobs_accepted_before_redis_restarted_empty_are_reported_lost(private):
+    with app_on(private, models="tiny") as api:
+        job_id = api.post("/v1/jobs", json={"input": {"prompt": "x", "max_tokens": 2}}).json()["id"]
+        time.sleep(2.1)  # Redis reports its start to the second: the restart must be clearly after the job
+        private.kill9()
+        private.start()
+        deadline = time.monotonic() + 10
+        while (r := api.get(f"/v1/jobs/{job_id}")).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        error(r, 404, "job_state_lost")
+        error(api.get(f"/v1/jobs/{new_job_id()}"), 404, "job_not_found")  # accepted after the restart: unknown
+
+
+# --- Redis stalled or restarted ------------------------------------------------------------------
+
+
+def test_a_stalled_redis_is_a_quick_503_with_retry_after(private):
+    with app_on(private, models="tiny") as api:
+        assert api.post("/v1/jobs", json={"input": {"prompt": "x"}}).status_code == 202
+        private.pause()
+        try:
+            for call in (lambda: api.post("/v1/jobs", json={"input": {"prompt": "x"}}),
+                         lambda: api.get(f"/v1/jobs/{new_job_id()}")):
+                started = time.monotonic()
+                r = call()
+                assert time.monotonic() - started < 4, "a stalled Redis must not hang the request"
+                error(r, 503, "redis_unavailable")
+                assert int(r.headers["Retry-After"]) >= 1
+        finally:
+            private.resume()
+        assert api.post("/v1/jobs", json={"input": {"prompt": "x"}}).status_code == 202
+
+
+def test_a_model_seen_before_a_restart_still_queues(private):
+    """Right after Redis restarts empty no worker has sent a heartbeat yet: a model this API has
+    seen served is still accepted (it queues, and scales from zero), never a 404."""
+    with app_on(private) as api:
+        api.redis.zadd(api.keys.models, {"tiny": time.time()})
+        assert api.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "x"}}).status_code == 202
+        private.kill9()
+        private.start()
+        deadline = time.monotonic() + 10
+        while (r := api.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "x"}})).status_code == 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert r.status_code == 202, r.text
+        error(api.post("/v1/jobs", json={"input": {"model": "never-served", "prompt": "x"}}), 404, "model_not_found")
+
+
+def test_a_model_with_reported_limits_is_routable_and_its_token_ids_checked(private):
+    with app_on(private) as api:
+        api.redis.hset(api.keys.model_limits("tiny"), mapping={"vocab_size": "300", "max_model_len": "1024"})
+        before = queued(api)
+        body = error(api.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "x", "stop_token_ids": [300]}}),
+                     422)
+        assert body["field"] == "input.stop_token_ids" and "vocabulary" in body["message"]
+        error(api.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 999]}), 422)
+        assert queued(api) == before
+        assert api.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": [1, 2], "stop_token_ids": [299]}}
+                        ).status_code == 202
+
+
+# --- streams that must end -------------------------------------------------------------------------
+
+
+def test_a_finished_jobs_stream_ends_whatever_the_last_event_id(private):
+    with app_on(private, models="tiny", sse_keepalive_s=0.2) as api:
+        job_id = api.post("/v1/jobs", json={"input": {"prompt": "x"}}).json()["id"]
+        done = CompletedEvent(seq=1, finish_reason="length", usage=Usage(), timings=Timings())
+        api.redis.xadd(api.keys.events(job_id), event_to_fields(done), id="1-1")
+        for last_id in ("1", "5", "999"):
+            started = time.monotonic()
+            with api.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last_id}) as r:
+                assert r.status_code == 200
+                body = "".join(r.iter_text())
+            assert time.monotonic() - started < 5 and "data:" not in body, (last_id, body)
+
+
+def test_sigterm_closes_open_streams_within_the_grace_period(private, tmp_path):
+    prefix = new_prefix()
+    port = free_port()
+    env = {**os.environ, "FERRY_REDIS_URL": private.url, "FERRY_KEY_PREFIX": prefix, "FERRY_MODELS": "tiny",
+           "FERRY_SHUTDOWN_GRACE_S": "1", "FERRY_SSE_KEEPALIVE_S": "0.5"}
+    log = (tmp_path / "api.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _answers(base), 60, "the API to answer")
+        job_id = httpx.post(f"{base}/v1/jobs", json={"input": {"prompt": "x"}}).json()["id"]  # no worker: never ends
+        opened = threading.Event()
+
+        def follow():
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("GET", f"{base}/v1/jobs/{job_id}/events",
+                                                                     timeout=60) as r:
+                for _ in r.iter_lines():
+                    opened.set()
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        assert opened.wait(20)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert time.monotonic() - started < 10
+        reader.join(10)
+        assert not reader.is_alive()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _answers(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# --- tenants ---------------------------------------------------------------------------------------
+
+
+def test_idempotency_keys_never_collide_across_tenants(private):
+    keys = f"{hash_key('sk-acme')}:acme,{hash_key('sk-acme-x')}:acme:x"
+    with app_on(private, models="tiny", api_keys=keys) as api:
+        a = api.post("/v1/jobs", json={"input": {"prompt": "x"}},
+                     headers={"Authorization": "Bearer sk-acme", "Idempotency-Key": "x:K"})
+        b = api.post("/v1/jobs", json={"input": {"prompt": "y"}},
+                     headers={"Authorization": "Bearer sk-acme-x", "Idempotency-Key": "K"})
+        assert (a.status_code, b.status_code) == (202, 202), (a.text, b.text)
+        assert a.json()["id"] != b.json()["id"]
+
+
+# --- bad input: a 4xx, and nothing queued ----------------------------------------------------------
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+BAD_JOBS = {
+    "metadata nested 260 deep": '{"input": {"prompt": "x"}, "metadata": ' + _nested(260) + "}",
+    "metadata nested 9 deep": '{"input": {"prompt": "x"}, "metadata": ' + _nested(9) + "}",
+    "metadata too big": json.dumps({"input": {"prompt": "x"}, "metadata": {"k": "v" * 20000}}),
+    "surrogate in metadata": '{"input": {"prompt": "x"}, "metadata": {"k": "\\udfff"}}',
+    "surrogate in prompt": '{"input": {"prompt": "x\\udfff"}}',
+    "surrogate in a stop string": '{"input": {"prompt": "x", "stop": ["\\ud800"]}}',
+    "seed 2**64": '{"input": {"prompt": "x", "seed": 18446744073709551616}}',
+    "max_tokens as a string": '{"input": {"prompt": "x", "max_tokens": "16"}}',
+    "max_tokens as a bool": '{"input": {"prompt": "x", "max_tokens": true}}',
+    "prompt of bools": '{"input": {"prompt": [true]}}',
+    "temperature Infinity": '{"input": {"prompt": "x", "temperature": Infinity}}',
+    "temperature NaN": '{"input": {"prompt": "x", "temperature": NaN}}',
+    "top_k 10**20": '{"input": {"prompt": "x", "top_k": 100000000000000000000}}',
+    "stop id 2**64": '{"input": {"prompt": "x", "stop_token_ids": [18446744073709551616]}}',
+    "unknown chat role": '{"input": {"messages": [{"role": "wizard", "content": "hi"}]}}',
+    "user message without content": '{"input": {"messages": [{"role": "user"}]}}',
+    "ttl Infinity": '{"input": {"prompt": "x"}, "ttl_s": Infinity}',
+}
+
+
+@pytest.mark.parametrize("body", list(BAD_JOBS.values()), ids=list(BAD_JOBS))
+def test_bad_job_input_is_a_422_and_nothing_is_queued(private, body):
+    with app_on(private, models="tiny") as api:
+        before = queued(api)
+        r = api.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert queued(api) == before
+
+
+BAD_OPENAI = {
+    "top_k 10**20": {"top_k": 10**20},
+    "stop id 2**64": {"stop_token_ids": [2**64]},
+    "seed 2**64": {"seed": 2**64},
+    "max_tokens as a string": {"max_tokens": "16"},
+}
+
+
+@pytest.mark.parametrize("extra", list(BAD_OPENAI.values()), ids=list(BAD_OPENAI))
+def test_bad_openai_input_is_a_422(private, extra):
+    with app_on(private, models="tiny") as api:
+        before = queued(api)
+        for path, base in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            r = api.post(path, json={"model": "tiny", **base, **extra})
+            assert r.status_code == 422, (path, r.text)
+        assert queued(api) == before
+
+
+def test_ids_that_spell_another_key_are_refused_before_redis(private):
+    with app_on(private, models="tiny") as api:
+        for path in ("/v1/jobs/abc:events", "/v1/jobs/abc.def", "/v1/jobs/a:b/events"):
+            assert api.get(path).status_code in (404, 422), path
+
+
+# --- where a webhook may go --------------------------------------------------------------------------
+
+# Each is a private or metadata address written as IPv6 (NAT64, 6to4, IPv4-compatible, -mapped, Teredo).
+HIDDEN_PRIVATE = [
+    "http://[64:ff9b::a9fe:a9fe]/",  # NAT64 of 169.254.169.254
+    "http://[64:ff9b:1::a9fe:a9fe]/",  # local-use NAT64
+    "http://[2002:a9fe:a9fe::1]/",  # 6to4 of 169.254.169.254
+    "http://[::a9fe:a9fe]/",  # IPv4-compatible
+    "http://[::7f00:1]/",  # IPv4-compatible 127.0.0.1
+    "http://[::ffff:10.0.0.1]/",  # IPv4-mapped
+    "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/",  # Teredo with a private client (192.0.2.45)
+]
+
+
+@pytest.mark.parametrize("url", HIDDEN_PRIVATE)
+def test_ipv6_forms_of_private_addresses_are_refused_at_delivery(url):
+    with pytest.raises(RefusedUrl, match="non-public"):
+        resolve_target(url, allow_private=False)
+
+
+@pytest.mark.parametrize("url", HIDDEN_PRIVATE + ["http://127.0.0.1:9/", "http://localhost/hook"])
+def test_webhook_urls_to_private_addresses_are_refused_at_submission(private, url):
+    with app_on(private, models="tiny", webhook_allow_private=False) as api:
+        before = queued(api)
+        body = error(api.post("/v1/jobs", json={"input": {"prompt": "x"}, "webhook": {"url": url}}), 422,
+                     "webhook_refused")
+        assert body["field"] == "webhook.url"
+        assert queued(api) == before
+
+
+def test_a_public_ipv6_address_is_still_allowed_at_submission(private):
+    with app_on(private, models="tiny", webhook_allow_private=False) as api:
+        r = api.post("/v1/jobs", json={"input": {"prompt": "x"}, "webhook": {"url": "http://[2606:4700:4700::1111]/"}})
+        assert r.status_code == 202, r.text
