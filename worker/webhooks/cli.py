@@ -9,6 +9,7 @@ import socket
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 from worker.protocol import Keys
 from worker.webhooks.delivery import Attempt, WebhookMessage
@@ -36,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("FERRY_WEBHOOK_ALLOW_PRIVATE is on: webhooks may reach private and loopback addresses")
     registry = CollectorRegistry()
     outcomes = Counter("ferry_webhook_deliveries", "Settled webhook deliveries", ["outcome"], registry=registry)
-    if settings.webhook_metrics_port:
-        start_http_server(settings.webhook_metrics_port, registry=registry)
     relay = Relay(settings)
+    registry.register(_HandoffFailures(relay))
+    if settings.webhook_metrics_port:
+        start_http_server(settings.webhook_metrics_port, addr=settings.webhook_metrics_host, registry=registry)
 
     def on_final(message: WebhookMessage, attempt: Attempt, attempts: int) -> None:
         outcomes.labels("failed" if attempt.outcome == "retry" else attempt.outcome).inc()
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     app = make_celery(settings, on_final)
     relay.app = app
     stop = threading.Event()
-    threading.Thread(target=relay.run, args=(stop,), name="webhook-relay", daemon=True).start()
+    threading.Thread(target=_relay_or_exit, args=(relay, stop), name="webhook-relay", daemon=True).start()
     concurrency = args.concurrency or settings.webhook_concurrency
     try:
         app.worker_main(
@@ -68,3 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
     return 0
+
+
+def _relay_or_exit(relay: Relay, stop: threading.Event) -> None:
+    """The relay thread: should it ever end before the process stops, no job would get a webhook
+    again while the process looked healthy, so the process exits (non-zero) to be restarted."""
+    try:
+        relay.run(stop)
+    finally:
+        if not stop.is_set():
+            log.critical("webhook relay stopped: exiting")
+            logging.shutdown()
+            os._exit(70)
+
+
+class _HandoffFailures:
+    """`ferry_webhook_handoff_failures_total`: relay steps that failed (Redis or the broker refused)."""
+
+    def __init__(self, relay: Relay) -> None:
+        self._relay = relay
+
+    def collect(self):
+        yield CounterMetricFamily("ferry_webhook_handoff_failures", "Relay steps that failed and were retried",
+                                  value=self._relay.handoff_failures)

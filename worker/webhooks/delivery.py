@@ -9,19 +9,14 @@ connection goes to the address that was checked (no second DNS lookup to rebind)
 
 from __future__ import annotations
 
-import ipaddress
 import random
-import socket
 import time
 from dataclasses import dataclass
 
 import httpx
 
+from worker.protocol.addresses import RefusedUrl, check_addresses, resolve
 from worker.webhooks.signing import sign
-
-
-class RefusedUrl(Exception):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +26,9 @@ class Target:
     sni_hostname: str | None  # TLS server name (certificates are checked against the real name)
 
 
-def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
-
-
 def resolve_target(url: str, allow_private: bool) -> Target:
-    """Resolve the URL's host once, refuse non-public addresses, pin the connection to one."""
+    """Resolve the URL's host once, refuse non-public addresses (`worker.protocol.addresses`),
+    pin the connection to one of the checked addresses."""
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
@@ -46,17 +36,8 @@ def resolve_target(url: str, allow_private: bool) -> Target:
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise RefusedUrl("webhook URL must be http(s)://host/...")
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        infos = socket.getaddrinfo(parsed.host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise RefusedUrl(f"cannot resolve {parsed.host!r}: {exc}") from exc
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    if not allow_private:
-        private = [str(a) for a in addresses if not _public(a)]
-        if private:
-            raise RefusedUrl(
-                f"{parsed.host!r} resolves to non-public address {private[0]} (FERRY_WEBHOOK_ALLOW_PRIVATE is off)"
-            )
+    addresses = resolve(parsed.host, port)
+    check_addresses(parsed.host, addresses, allow_private)
     host_header = parsed.host if parsed.port is None else f"{parsed.host}:{parsed.port}"
     return Target(
         url=str(parsed.copy_with(host=str(addresses[0]))),

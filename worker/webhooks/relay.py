@@ -18,7 +18,15 @@ from datetime import UTC, datetime
 
 import redis
 
-from worker.protocol import TERMINAL_EVENT_TYPES, WEBHOOK_EVENT_FOR, JobRecord, JobState, Keys, event_from_fields
+from worker.protocol import (
+    TERMINAL_EVENT_TYPES,
+    WEBHOOK_EVENT_FOR,
+    JobRecord,
+    JobState,
+    Keys,
+    UnreadableRecord,
+    event_from_fields,
+)
 from worker.protocol.keys import parse_watch_value, watch_value
 from worker.webhooks.delivery import Attempt, WebhookMessage
 from worker.webhooks.settings import WebhookSettings
@@ -26,6 +34,8 @@ from worker.webhooks.tasks import enqueue
 
 log = logging.getLogger("ferry.webhooks.relay")
 
+RELAY_BLOCK_S = 0.5  # longest blocking read of the watched jobs' event streams
+_RETRY_MIN_S, _RETRY_MAX_S = 0.2, 30.0  # backoff after a failed step
 FORGET_AFTER_S = 60.0  # a watched job whose hash is still missing this long after registration is gone
 GC_INTERVAL_S = 30.0
 
@@ -63,20 +73,32 @@ class Relay:
         self.settings = settings
         self.app = app
         self.keys = Keys(settings.key_prefix)
-        self.redis = client or redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.redis = client or redis.Redis.from_url(
+            settings.redis_url, decode_responses=True, socket_connect_timeout=2.0, socket_timeout=RELAY_BLOCK_S + 2.0
+        )
         self._last_gc = 0.0
+        self.handoff_failures = 0  # relay steps that failed (exported as ferry_webhook_handoff_failures_total)
 
     def run(self, stop: threading.Event) -> None:
+        """Relay until `stop`. Any failure (Redis, or the Celery broker refusing a hand-off) is
+        retried with backoff: nothing was marked sent, so the same events are read and handed
+        off again."""
         log.info("relay following %s", self.keys.webhook_watch)
+        delay = _RETRY_MIN_S
         while not stop.is_set():
             try:
-                if not self.step():
-                    stop.wait(0.2)
-            except redis.RedisError as exc:
-                log.warning("relay: redis error %s; retrying", exc)
-                stop.wait(1.0)
+                busy = self.step()
+            except Exception as exc:  # kombu and redis raise their own types; the relay must outlive them all
+                self.handoff_failures += 1
+                log.warning("relay: %s: %s; retrying in %.1f s", type(exc).__name__, exc, delay)
+                stop.wait(delay)
+                delay = min(_RETRY_MAX_S, delay * 2)
+                continue
+            delay = _RETRY_MIN_S
+            if not busy:
+                stop.wait(0.2)
 
-    def step(self, block_ms: int = 500) -> bool:
+    def step(self, block_ms: int = int(RELAY_BLOCK_S * 1000)) -> bool:
         """One XREAD over every watched job; False when nothing is watched."""
         watched = {job: parse_watch_value(v) for job, v in self.redis.hgetall(self.keys.webhook_watch).items()}
         if time.time() - self._last_gc > GC_INTERVAL_S:
@@ -103,18 +125,26 @@ class Relay:
         self.redis.hset(self.keys.webhook_watch, job_id, watch_value(entries[-1][0], registered_at))
 
     def _hand_off(self, job_id: str, name: str, ts: float) -> None:
+        """Hand one event to Celery, then mark it sent: a hand-off the broker refused raises and is
+        tried again; a relay that dies between the two sends it twice under the same webhook id
+        (receivers de-duplicate on it: Standard Webhooks is at least once)."""
         # The worker writes a terminal event and the result into the hash in one script: the
         # hash is complete by the time its terminal event can be read.
-        record = JobRecord.from_redis(self.redis.hgetall(self.keys.job(job_id)))
+        try:
+            record = JobRecord.from_redis(self.redis.hgetall(self.keys.job(job_id)))
+        except UnreadableRecord:
+            log.warning("relay: job %s has an unreadable record; no webhook", job_id)
+            return
         webhook = record.request.webhook if record and record.request else None
         if webhook is None or name not in webhook.events:
             return
         sent = self.keys.webhook_sent(job_id, name)
-        if not self.redis.set(sent, "1", nx=True, ex=self.settings.result_ttl_s):
+        if self.redis.exists(sent):
             return
         body = json.dumps(job_payload(name, record, ts), separators=(",", ":"))
         # The id names the (job, event) pair, so it is the same on every retry and every relay.
         enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body))
+        self.redis.set(sent, "1", ex=self.settings.result_ttl_s)
 
     def _forget_expired(self, watched: dict[str, tuple[str, float]]) -> None:
         self._last_gc = time.time()

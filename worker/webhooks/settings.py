@@ -10,6 +10,7 @@ class WebhookSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "ferry"
+    celery_broker_url: str | None = None  # Celery's broker; default redis_url (a Redis Cluster cannot be one)
     webhook_secret: str | None = None  # "whsec_<base64>"; required to deliver
     webhook_retry_base_s: float = 2.0  # first retry after ~base, then doubling (with jitter)
     webhook_retry_max_s: float = 3600.0  # cap on one backoff
@@ -17,5 +18,6 @@ class WebhookSettings(BaseSettings):
     webhook_timeout_s: float = 10.0
     webhook_allow_private: bool = False
     webhook_concurrency: int = 16  # delivery threads in the Celery worker
-    webhook_metrics_port: int = 9301  # 0 disables the Prometheus endpoint
+    webhook_metrics_port: int = 9301  # 0 disables the Prometheus endpoint (unauthenticated: keep it on the pod network)
+    webhook_metrics_host: str = "127.0.0.1"  # the address it binds; the pod's IP in Kubernetes
     result_ttl_s: int = 86400  # how long delivery outcomes are kept (as long as the job)

@@ -17,20 +17,25 @@ TASK_NAME = "ferry.webhooks.deliver"
 
 
 def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
-    """A Celery app on the job Redis; its keys live under `<prefix>:celery:`.
+    """A Celery app on its broker (`FERRY_CELERY_BROKER_URL`, default the job Redis); on Redis its keys
+    live under `<prefix>:celery:`. A hand-off to a broker that does not answer fails within seconds
+    (the relay retries it) instead of hanging the relay.
 
     `on_final(message, attempt, attempts)` is called once per message when it is settled
     (delivered, refused, rejected, gone, or out of attempts).
     """
     keys = Keys(settings.key_prefix)
-    app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
+    app = Celery("ferry", broker=settings.celery_broker_url or settings.redis_url, set_as_current=False)
     app.conf.update(
         # A retry waits in the worker as an ETA task; Redis re-delivers an unacked task after the
         # visibility timeout, so it must outlast the longest backoff.
         broker_transport_options={
             "global_keyprefix": keys.celery_prefix,
             "visibility_timeout": max(3600, int(2 * settings.webhook_retry_max_s + settings.webhook_timeout_s)),
+            "socket_connect_timeout": 2.0,
+            "socket_timeout": 5.0,
         },
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0},
         broker_connection_retry_on_startup=True,
         task_default_queue=keys.webhook_queue,
         task_ignore_result=True,
