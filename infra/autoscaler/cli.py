@@ -76,7 +76,8 @@ def _build_loop(settings: AutoscalerSettings, *, dry_run: bool, record: str | No
     from infra.autoscaler.publish import AsgActuator, CloudWatchPublisher, EcsActuator, PrometheusGauges
     from infra.autoscaler.redis_source import RedisBacklog
 
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=2.0,
+                                  socket_timeout=5.0)
     publishers: list = [PrometheusGauges()]
     actuators: list = []
     if not dry_run:

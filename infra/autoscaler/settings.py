@@ -34,7 +34,7 @@ class AutoscalerSettings(BaseSettings):
     autoscale_max_idle_to_zero_s: float = 1800.0
 
     # Outputs: Prometheus /metrics (port 0 turns it off), CloudWatch, optional actuators.
-    autoscale_metrics_host: str = "0.0.0.0"
+    autoscale_metrics_host: str = "127.0.0.1"  # unauthenticated: bind to the pod network deliberately
     autoscale_metrics_port: int = 9310
     autoscale_cloudwatch_namespace: str | None = "Ferry"  # empty: do not publish to CloudWatch
     autoscale_aws_region: str | None = None  # default: boto3's own resolution
