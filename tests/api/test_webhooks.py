@@ -98,8 +98,10 @@ def test_webhook_worker_without_the_allowance_refuses_loopback(tiny_model_factor
     env.pop("FERRY_WEBHOOK_ALLOW_PRIVATE", None)
     webhooks = Proc("webhooks", ["webhooks", "--loglevel", "WARNING"], env, tmp_path)
     try:
-        # No worker serves MODEL on this prefix: the job stays queued until it is cancelled.
-        app = create_app(ApiSettings(redis_url=REDIS_URL, key_prefix=prefix, models=MODEL))
+        # No worker serves MODEL on this prefix: the job stays queued until it is cancelled. The API
+        # is allowed private URLs here (it refuses them at submission otherwise: test_hardening) so
+        # that the webhook worker's own check, made again at delivery, is what is tested.
+        app = create_app(ApiSettings(redis_url=REDIS_URL, key_prefix=prefix, models=MODEL, webhook_allow_private=True))
         with TestClient(app) as api:
             job_id = _submit(api, receiver.base + "/private", events=["job.cancelled"])
             assert api.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
