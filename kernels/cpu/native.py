@@ -21,6 +21,7 @@ compiler), or for an input they do not cover, the PyTorch reference runs (one wa
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -85,7 +86,10 @@ def load():
             isa = torch.backends.cpu.get_cpu_capability()
             name = f"ferry_cpu_kernels_{isa.lower()}"
             torch_version = torch.__version__.replace("+", "-")
-            build_dir = Path(cpp_extension.get_default_build_root()) / f"{name}-torch{torch_version}"
+            # One build directory per checkout: torch rebuilds whenever the source paths differ from
+            # the last build's, so two checkouts sharing one directory rebuilt each other's in turn.
+            checkout = hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+            build_dir = Path(cpp_extension.get_default_build_root()) / f"{name}-torch{torch_version}-{checkout}"
             log.info("loading native CPU kernels (%s; the first load on a machine compiles it: about a minute)", isa)
             with _exclusive_build(build_dir):
                 _module = cpp_extension.load(
