@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from tests.api.conftest import delete_prefix, free_port, new_prefix
+from tests.conftest import MODEL_CACHE_DIR
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,7 +22,7 @@ def up_env(tmp_path, prefix: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
     env.update(
         FERRY_KEY_PREFIX=prefix,
-        FERRY_MODEL=str(tmp_path / "models" / "demo"),  # absent: `up` writes the demo model
+        FERRY_MODEL_CACHE_DIR=str(MODEL_CACHE_DIR),  # SmolLM2's conversion, shared by the test run
         FERRY_STATE_DIR=str(tmp_path / "state"),
         FERRY_PORT=str(free_port()),
         FERRY_METRICS_PORT="0",
@@ -46,7 +47,8 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_up_demo_streams_completions_and_stops_cleanly(tmp_path):
+def test_up_demo_answers_questions_with_the_default_model_and_stops_cleanly(tmp_path):
+    """No FERRY_MODEL: SmolLM2-135M-Instruct from the wheel answers through the chat API."""
     prefix = new_prefix()
     try:
         done = subprocess.run([sys.executable, "-m", "worker.cli", "up", "--demo"], env=up_env(tmp_path, prefix),
@@ -55,13 +57,22 @@ def test_up_demo_streams_completions_and_stops_cleanly(tmp_path):
         delete_prefix(prefix)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
-    assert (tmp_path / "models" / "demo" / "config.json").exists()
     assert (tmp_path / "state" / "webhook_secret").read_text().startswith("whsec_")
-    assert re.findall(r"<<< 48 tokens, TTFT \d+\.\d ms, TBT \d+\.\d ms", out) and len(re.findall("<<<", out)) == 3
+    assert len(re.findall(r"<<< \d+ tokens, TTFT \d+\.\d ms, TBT \d+\.\d ms", out)) == 3, out[-6000:]
+    answer = out.split(">>> What is the capital of France?")[1].split("<<<")[0]
+    assert "Paris" in answer, answer
     assert re.search(r"^api +\| ", out, re.M) and re.search(r"^webhooks +\| ", out, re.M)
     pids = pids_started(out)
-    assert set(pids) == {"model", "api", "worker", "webhooks"}  # Redis already answered: not started
+    assert set(pids) == {"api", "worker", "webhooks"}  # Redis already answered: not started
     assert not any(alive(pid) for pid in pids.values())
+
+
+def test_up_refuses_a_model_that_is_not_there(tmp_path):
+    env = up_env(tmp_path, new_prefix(), FERRY_MODEL=str(tmp_path / "nowhere"))
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "up"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 1 and "no model at" in done.stdout + done.stderr
+    assert "started api" not in done.stdout
 
 
 def test_up_starts_redis_when_none_answers_and_sigterm_stops_everything(tmp_path, llama_dir):

