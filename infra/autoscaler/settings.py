@@ -19,7 +19,7 @@ class AutoscalerSettings(BaseSettings):
     key_prefix: str = "ferry"
 
     # Which pools: comma-separated served model names (FERRY_MODEL_NAME of their workers).
-    autoscale_models: str = "demo"
+    autoscale_models: str = "smollm2-135m-instruct"
     autoscale_interval_s: float = Field(default=15.0, gt=0)
 
     # Policy (see infra/autoscaler/policy.py for what each knob does)

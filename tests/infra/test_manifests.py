@@ -223,7 +223,7 @@ def test_api_has_service_pdb_and_readiness(k8s):
 
 def test_keda_scales_the_worker_from_zero_on_lag_and_pending(k8s):
     _, objects, config = k8s
-    so = _get(objects, "ScaledObject", "ferry-worker-demo")["spec"]
+    so = _get(objects, "ScaledObject", "ferry-worker-smollm2")["spec"]
     assert so["scaleTargetRef"]["name"] == "ferry-worker"
     assert so["minReplicaCount"] == 0 and so["maxReplicaCount"] >= 1
     assert so["cooldownPeriod"] > 0 and so["pollingInterval"] > 0
