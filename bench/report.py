@@ -255,7 +255,8 @@ def machine_label(data: dict) -> str:
         f"commit {m['commit']}" if m.get("commit") else None,
         data.get("created") or data.get("time"),
     ]
-    model = data.get("model") or _get(data, "workload", "model") or _get(data, "models", "target")
+    model = (data.get("model") or _get(data, "workload", "model") or _get(data, "models", "name")
+             or _get(data, "models", "target"))
     quick = data.get("quick") or _get(data, "settings", "quick")
     weights = _get(data, "models", "weights")
     parts += [

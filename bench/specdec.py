@@ -27,10 +27,12 @@ run, so that the load of a shared machine hits them alike.
 Models: --model (default models/demo) and --draft (default models/draft), the trained pair.
 Where they do not exist yet, random-weight stand-ins are made under .ferry/bench-models/ (a
 6-layer target and, as its draft, its own first layer): then the JSON says "weights": "random"
-and acceptance means little.
+and acceptance means little. --model also takes any model name the engine takes; with
+--systems baseline,ngram no draft is needed (SmolLM2 has no draft that shares its tokenizer).
 
     python -m bench.specdec                       # batch 1 and 8, 256 new tokens
     python -m bench.specdec --quick               # 64 new tokens, one repeat
+    python -m bench.specdec --model smollm2-135m-instruct --systems baseline,ngram   # the real model
 """
 
 from __future__ import annotations
@@ -75,15 +77,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: on a shared CPU, more threads thrash)"
     )
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems run (baseline always does)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    args.systems = ["baseline"] + [s for s in args.systems.split(",") if s in SYSTEMS and s != "baseline"]
     args.tokens = args.tokens or (64 if args.quick else 256)
     args.repeats = args.repeats or (1 if args.quick else 2)
     return args
 
 
-def resolve_models(model: str, draft: str | None) -> tuple[Path, Path, str]:
-    """(target, draft, "trained" | "random"): the given pair, or random stand-ins when absent."""
+def resolve_models(model: str, draft: str | None, needs_draft: bool = True) -> tuple[Path, Path | None, str]:
+    """(target, draft, "trained" | "random"): the given pair, or random stand-ins when absent.
+    Without `needs_draft`, the target alone: any model name the engine resolves (a bundled name,
+    a GGUF), and no draft."""
+    if not needs_draft:
+        from worker.models.loader import resolve_model_path
+
+        return resolve_model_path(model, REPO / ".ferry" / "models"), None, "pretrained"
     target = Path(model)
     draft_dir = Path(draft) if draft else target.parent / "draft"
     if (target / "config.json").is_file() and (draft_dir / "config.json").is_file():
@@ -191,7 +201,7 @@ def _bound(baseline: dict, system: dict, k: int) -> float | None:
     return (k + 1) * plain / speculating if plain and speculating else None
 
 
-def engine_for(system: str, target: Path, draft: Path, k: int, max_len: int, every_step: bool):
+def engine_for(system: str, target: Path, draft: Path | None, k: int, max_len: int, every_step: bool):
     from worker.engine import Engine
 
     spec = {
@@ -211,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()  # the CPU may be shared: say how busy it was
-    target, draft, weights = resolve_models(args.model, args.draft)
+    target, draft, weights = resolve_models(args.model, args.draft, needs_draft="draft" in args.systems)
+    systems = args.systems
     batches = [int(b) for b in args.batches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = passages(tokenizer, max(batches))
     max_len = PASSAGE_TOKENS + 64 + args.tokens
-    engines = {system: engine_for(system, target, draft, args.k, max_len, args.every_step) for system in SYSTEMS}
+    engines = {system: engine_for(system, target, draft, args.k, max_len, args.every_step) for system in systems}
     for engine in engines.values():
         run_once(engine, prompts_for("complete", texts[:1]), 8)  # warm-up
     runs: dict[tuple[str, int, str], list[dict]] = {}
@@ -225,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 prompts = prompts_for(workload, texts[:b])
                 # Systems take turns, so a change in the machine's load hits each of them alike.
-                for system in SYSTEMS:
+                for system in systems:
                     runs.setdefault((workload, b, system), []).append(run_once(engines[system], prompts, args.tokens))
     results: dict = {w: {f"batch{b}": {} for b in batches} for w in WORKLOADS}
     for (workload, b, system), tries in runs.items():
@@ -243,17 +254,18 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             row = results[workload][f"batch{b}"]
             base = row["baseline"]
-            for system in SYSTEMS[1:]:
+            for system in systems[1:]:
                 row[system]["speedup"] = row[system]["tokens_per_s"] / base["tokens_per_s"]
                 row[system]["identical_to_baseline"] = row[system]["token_ids"] == base["token_ids"]
                 if b == 1:
                     row[system]["speedup_bound_at_full_acceptance"] = _bound(base, row[system], args.k)
-            for system in SYSTEMS:
+            for system in systems:
                 del row[system]["token_ids"]
     report = {
-        "models": {"target": str(target), "draft": str(draft), "weights": weights},
+        "models": {"target": str(target), "draft": str(draft) if draft else None, "weights": weights,
+                   "name": args.model},
         "settings": {"new_tokens": args.tokens, "batches": batches, "k": args.k, "repeats": args.repeats,
-                     "governor": not args.every_step, "threads": args.threads,
+                     "governor": not args.every_step, "threads": args.threads, "systems": systems,
                      "passage_tokens": PASSAGE_TOKENS, "greedy": True, "quick": args.quick},
         "conditions": {"load_average_before": load_before, "load_average_after": os.getloadavg()},
         "results": results,
