@@ -3,7 +3,7 @@
 Writes two Hugging Face checkpoints (config.json, model.safetensors, tokenizer.json) that share
 one byte-level BPE tokenizer:
 
-  models/demo/    the code-completion model behind `ferry generate`, `ferry up` and the benchmarks
+  models/demo/    a small code-completion model: the target of the speculative-decoding pair
   models/draft/   a much smaller model with the same tokenizer: the speculative-decoding draft
 
 plus models/loss.png (train and held-out loss) and models/training.json (what ran: corpus,
