@@ -77,6 +77,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: on a shared CPU, more threads thrash)"
     )
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="no proposals while this many requests run (with --every-step: the simple rule)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems run (baseline always does)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -201,7 +203,8 @@ def _bound(baseline: dict, system: dict, k: int) -> float | None:
     return (k + 1) * plain / speculating if plain and speculating else None
 
 
-def engine_for(system: str, target: Path, draft: Path | None, k: int, max_len: int, every_step: bool):
+def engine_for(system: str, target: Path, draft: Path | None, k: int, max_len: int, every_step: bool,
+               disable_by_batch_size: int | None = None):
     from worker.engine import Engine
 
     spec = {
@@ -211,6 +214,8 @@ def engine_for(system: str, target: Path, draft: Path | None, k: int, max_len: i
     }[system]
     if spec is not None and every_step:
         spec["measure_speedup"] = False
+    if spec is not None and disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = disable_by_batch_size
     return Engine(str(target), speculative=spec, max_model_len=max_len, max_num_seqs=16)
 
 
@@ -227,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = passages(tokenizer, max(batches))
     max_len = PASSAGE_TOKENS + 64 + args.tokens
-    engines = {system: engine_for(system, target, draft, args.k, max_len, args.every_step) for system in systems}
+    engines = {system: engine_for(system, target, draft, args.k, max_len, args.every_step, args.disable_by_batch_size)
+               for system in systems}
     for engine in engines.values():
         run_once(engine, prompts_for("complete", texts[:1]), 8)  # warm-up
     runs: dict[tuple[str, int, str], list[dict]] = {}
@@ -266,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
                    "name": args.model},
         "settings": {"new_tokens": args.tokens, "batches": batches, "k": args.k, "repeats": args.repeats,
                      "governor": not args.every_step, "threads": args.threads, "systems": systems,
+                     "disable_by_batch_size": args.disable_by_batch_size,
                      "passage_tokens": PASSAGE_TOKENS, "greedy": True, "quick": args.quick},
         "conditions": {"load_average_before": load_before, "load_average_after": os.getloadavg()},
         "results": results,
     }
     # A run without the governor is a different measurement: it must not replace the README's.
-    path = write_result("specdec-every-step" if args.every_step else "specdec", report)
+    suite = "specdec" if not args.every_step else (
+        "specdec-every-step" if args.disable_by_batch_size is None else "specdec-simple-rule")
+    path = write_result(suite, report)
     print(json.dumps({w: {b: {s: round(r.get("speedup", 1.0), 2) for s, r in row.items()} for b, row in rows.items()}
                       for w, rows in results.items()}, indent=1))
     print(f"wrote {path}", file=sys.stderr)
