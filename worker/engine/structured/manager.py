@@ -105,9 +105,16 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, Future] = OrderedDict()  # key -> Future[CompiledGrammar], oldest first
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
-        vocab = sorted(tokenizer.get_vocab().items())
-        fingerprint = json.dumps([vocab, vocab_size, self._stop_token_ids], ensure_ascii=False)
-        self.tokenizer_key = hashlib.sha256(fingerprint.encode()).hexdigest()
+        self._tokenizer_key: str | None = None
+
+    @property
+    def tokenizer_key(self) -> str:
+        """sha256 of the vocabulary, the logits width and the stop tokens: what a grammar's masks depend on."""
+        if self._tokenizer_key is None:  # on first use: an engine that never sees a grammar never pays for it
+            vocab = sorted(self._tokenizer.get_vocab().items())
+            fingerprint = json.dumps([vocab, self.vocab_size, self._stop_token_ids], ensure_ascii=False)
+            self._tokenizer_key = hashlib.sha256(fingerprint.encode()).hexdigest()
+        return self._tokenizer_key
 
     def compile(self, spec: StructuredOutputs) -> Future:
         """The compiled grammar of `spec`, as a future (shared by every request with the same spec)."""
@@ -121,9 +128,6 @@ class StructuredOutputManager:
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return future
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- on the pool's threads ------------------------------------------------------------------
 
@@ -141,7 +145,7 @@ class StructuredOutputManager:
         return compiler.compile_grammar(spec.grammar)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
-        # Built on first use: an engine that never sees a grammar never pays for the vocabulary scan.
+        # Built on first use, like tokenizer_key.
         with self._compiler_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
