@@ -9,16 +9,59 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from api.streaming import SSE_EVENT_SCHEMA
-from worker.protocol import Message
+from worker.protocol import Message, StructuredOutputsRequest
 from worker.protocol.jobs import TokenIds, check_json, sampling_annotation, sampling_fields
 from worker.protocol.sampling import LIMITS
+from worker.protocol.structured import check_json_schema
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(value)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only then")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsRequest | None:
+        if self.type == "json_object":
+            return StructuredOutputsRequest(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsRequest(json=self.json_schema.schema_)
+        return None
+
+
+# Fields clients send that Ferry does not implement: refused with the field named when set (vLLM's
+# older guided_* spellings point to structured_outputs).
+UNSUPPORTED_FIELDS = (
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+)
 
 
 # The sampling fields with the engine's names and limits (worker.protocol.sampling); unset (None)
@@ -33,6 +76,9 @@ _SamplingFields = create_model(
     stream_options=(StreamOptions | None, None),
     logit_bias=(dict[str, float] | None, Field(default=None, description="not supported: must be empty")),
     user=(str | None, None),
+    structured_outputs=(StructuredOutputsRequest | None, Field(default=None, description="vLLM's: a grammar")),
+    response_format=(ResponseFormat | None, None),
+    **{name: (Any, Field(default=None, description="not supported")) for name in UNSUPPORTED_FIELDS},
     **sampling_fields(optional=True, exclude=("logprobs",)),
 )
 _LOGPROBS = sampling_annotation(LIMITS["logprobs"])

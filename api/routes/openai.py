@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from api.auth import tenant
 from api.errors import ApiError
 from api.openai_schemas import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -52,7 +53,8 @@ Tenant = Annotated[str, Depends(tenant)]
 
 _SAMPLING = tuple(limit.name for limit in SAMPLING_LIMITS if limit.name != "logprobs")  # logprobs: per route
 _INPUT_ERRORS = {
-    ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG
+    ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG,
+    ErrorCode.INVALID_STRUCTURED_OUTPUT,
 }
 _PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
@@ -68,6 +70,12 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
             fields[name] = value
     if body.logit_bias:
         raise ApiError(422, "unsupported", "logit_bias is not supported", field="logit_bias")
+    for name in UNSUPPORTED_FIELDS:
+        value = getattr(body, name)
+        if value not in (None, [], "none"):  # no tools, or tools never called, is what Ferry does
+            hint = "; use structured_outputs" if name.startswith("guided_") else ""
+            raise ApiError(422, "unsupported", f"{name} is not supported{hint}", field=name)
+    fields["structured_outputs"] = _structured_outputs(body)
     try:
         return JobRequest(
             model=model,
@@ -80,6 +88,15 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
         )
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+
+
+def _structured_outputs(body):
+    """vLLM's `structured_outputs`, or OpenAI's `response_format` (not both)."""
+    from_format = body.response_format.structured_outputs() if body.response_format is not None else None
+    if from_format is not None and body.structured_outputs is not None:
+        raise ApiError(422, "invalid_request", "give response_format or structured_outputs, not both",
+                       field="response_format")
+    return from_format or body.structured_outputs
 
 
 def _one_prompt(prompt):

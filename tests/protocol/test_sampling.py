@@ -9,7 +9,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.openai_schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from worker.engine import SamplingParams
 from worker.protocol import JobRequest
 from worker.protocol.sampling import SAMPLING_LIMITS, Limit
@@ -35,6 +35,7 @@ NOT_SAMPLING = {
         "webhook",
         "created_at",
         "cache_salt",
+        "structured_outputs",
     },
     "completion": {
         "model",
@@ -43,6 +44,9 @@ NOT_SAMPLING = {
         "stream_options",
         "logit_bias",
         "user",
+        "structured_outputs",
+        "response_format",
+        *UNSUPPORTED_FIELDS,
         "prompt",
         "echo",
         "suffix",
@@ -55,6 +59,9 @@ NOT_SAMPLING = {
         "stream_options",
         "logit_bias",
         "user",
+        "structured_outputs",
+        "response_format",
+        *UNSUPPORTED_FIELDS,
         "messages",
         "max_completion_tokens",
         "logprobs",

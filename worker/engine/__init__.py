@@ -6,6 +6,7 @@ from worker.engine.llm import LLM
 from worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from worker.engine.resume import Resume
 from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from worker.engine.structured import InvalidStructuredOutputError, StructuredOutputs
 
 __all__ = [
     "LLM",
@@ -14,9 +15,11 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "InvalidSamplingParams",
+    "InvalidStructuredOutputError",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "Resume",
     "SamplingParams",
+    "StructuredOutputs",
 ]

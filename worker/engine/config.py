@@ -85,6 +85,7 @@ class EngineConfig:
     # Where GGUF models are converted to HF checkpoints, once per file (<dir>/<sha256 prefix>/);
     # a relative path is relative to the current directory
     model_cache_dir: str = ".ferry/models"
+    structured_outputs_cache_size: int = 64  # compiled grammars kept (LRU), keyed by spec and tokenizer
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -101,4 +102,6 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.structured_outputs_cache_size < 1:
+            raise ValueError(f"structured_outputs_cache_size must be >= 1, got {self.structured_outputs_cache_size}")
         self.speculative = SpeculativeConfig.of(self.speculative)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -25,6 +26,7 @@ from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
 from worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draft
+from worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputManager
 from worker.models.config import ModelArch
 from worker.models.loader import load_model, parse_dtype, resolve_model_path
 
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 _CPU_KV_CAP_BYTES = 4 << 30  # default KV budget on CPU at most 4 GiB ...
 _CPU_KV_RAM_SHARE = 0.2  # ... and at most this share of RAM
 _GPU_KV_FREE_SHARE = 0.85  # on CUDA: this share of the memory left after loading the weights
+_COMPILE_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar to compile
 
 
 @dataclass(slots=True)
@@ -100,6 +103,15 @@ class Engine:
             watermark_blocks=min(num_blocks // 100, 8),
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Structured outputs (None without a tokenizer: grammars are over the tokens' text).
+        self.structured = (
+            None
+            if self.tokenizer is None
+            else StructuredOutputManager(
+                self.tokenizer, self.arch.vocab_size, self.eos_token_ids, cfg.structured_outputs_cache_size
+            )
+        )
+        self._compiling: dict[str, Request] = {}  # requests whose grammar is compiling, by id
         self._pending: list[RequestOutput] = []  # aborts reported by the next step
         self._arrivals = itertools.count()
         log.info(
@@ -197,6 +209,8 @@ class Engine:
         self.check_params(params)
         resumed = list(resume.token_ids) if resume is not None else []
         self._validate_resume(token_ids, resumed, params)
+        if params.structured_outputs is not None and self.structured is None:
+            raise InvalidStructuredOutputError("structured_outputs need a model with a tokenizer")
         request = Request(
             request_id=str(request_id),
             prompt_token_ids=token_ids,
@@ -214,6 +228,10 @@ class Engine:
             if request.generator is not None:
                 advance_generator(request.generator, len(resumed), self.arch.vocab_size)
         self.scheduler.add(request)
+        if params.structured_outputs is not None:  # waits in the scheduler until compiled (its matcher then
+            # advances over the resumed tokens)
+            request.grammar = GrammarState(self.structured.compile(params.structured_outputs))
+            self._compiling[request.request_id] = request
         if self.tokenizer is None:
             return
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop_strings)
@@ -261,6 +279,7 @@ class Engine:
         if request is None:
             return False
         self.scheduler.finish(request, "abort")
+        self._compiling.pop(request.request_id, None)
         self._pending.append(self._output(request, [], None))
         self._detokenizers.pop(request.request_id, None)
         return True
@@ -299,15 +318,31 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a delta for every request that produced tokens or ended."""
         outputs, self._pending = self._pending, []
+        if self._compiling:
+            outputs += self._start_grammars()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self._compiling:  # nothing else to do: give the compiles the CPU rather than spin
+                wait([r.grammar.compiled for r in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
             return outputs
         result = self.runner.execute(sched)
         if self.spec is not None:
             self.spec.observe(sched.requests, result.sampled)
         return outputs + self._update(sched, result)
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar finished compiling its matcher (it can be scheduled
+        from now on); fail those whose grammar did not compile."""
+        outputs = []
+        for request in [r for r in self._compiling.values() if r.grammar.compiled.done()]:
+            del self._compiling[request.request_id]
+            try:
+                request.grammar.start(request.output_token_ids)
+            except InvalidStructuredOutputError as exc:
+                outputs.append(self._fail(request, str(exc), exc))
+        return outputs
 
     def _update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         outputs = []
@@ -334,13 +369,15 @@ class Engine:
                 outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
+    def _fail(self, request: Request, message: str, error: Exception | None = None) -> RequestOutput:
         """End one request whose own processing raised, with finish reason "error" and the message
         as its stop reason; the rest of the batch goes on."""
         if not request.is_finished:
             self.scheduler.finish(request, "error", message)
         self._detokenizers.pop(request.request_id, None)
-        return self._output(request, [], None)
+        output = self._output(request, [], None)
+        output.error = error
+        return output
 
     def _append(self, request: Request, tokens: list[int], logprobs: list | None, now: float) -> RequestOutput:
         """Append a step's tokens one by one: a stop condition met inside an accepted run of
@@ -359,6 +396,11 @@ class Engine:
             metrics.last_token_time = now
             metrics.token_times.append(now)
             reason, stop_reason = self._token_stop(request, token)
+            if request.grammar is not None:
+                if not request.grammar.accept(token):
+                    raise InvalidStructuredOutputError(f"token {token} does not match the grammar")
+                if reason is None and request.grammar.finished:
+                    reason = "stop"  # the grammar accepted its end (an EOS that ignore_eos let through)
             if detok is not None:
                 stops_active = request.num_output_tokens >= request.params.min_tokens
                 matched = detok.add_tokens([token], final=reason is not None, check_stop=stops_active)

@@ -55,6 +55,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
     num_output_tokens: int  # generated so far, this step included
     metrics: RequestMetrics
+    error: Exception | None = None  # what failed it, when finish_reason is "error" and the error is typed
 
 
 @dataclass(slots=True)

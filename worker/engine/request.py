@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.outputs import PositionLogprobs, RequestMetrics
 from worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine.structured import GrammarState
 
 
 @dataclass(slots=True)
@@ -66,6 +70,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding (unused when it is off)
+    grammar: GrammarState | None = None  # structured outputs: its compile, then its matcher; None = unconstrained
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -89,6 +94,11 @@ class Request:
         """Every known token but the newest has KV: the next step feeds one token (plus any
         proposals to verify), not a prompt chunk."""
         return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
+    def awaiting_grammar(self) -> bool:
+        """Its grammar is still compiling: the scheduler leaves it waiting."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def is_finished(self) -> bool:

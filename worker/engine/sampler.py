@@ -1,9 +1,9 @@
 """A small, pure, batched sampler: logits in, one token per row out.
 
-Order per row (vLLM's): penalties -> min_tokens mask -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> draw. Draws use the exponential race (argmax p/E, E ~ Exp(1)),
-so a seeded request consumes exactly one vector of its own generator per token: same seed,
-same tokens, whatever else is in the batch.
+Order per row (vLLM's): the grammar mask (structured outputs) -> penalties -> min_tokens mask ->
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential
+race (argmax p/E, E ~ Exp(1)), so a seeded request consumes exactly one vector of its own
+generator per token: same seed, same tokens, whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from worker.engine.outputs import Logprob, PositionLogprobs
 from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured import GrammarState, apply_grammars
 
 
 @dataclass(slots=True)
@@ -40,6 +41,10 @@ class SamplingRow:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.request.eos_token_ids
+
+    @property
+    def grammar(self) -> GrammarState | None:
+        return self.request.grammar
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -149,16 +154,24 @@ def top_logprobs(raw_logits: torch.Tensor, row: int, token: int, n: int) -> Posi
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> dict[int, str]:
-    """Penalties, then the min_tokens mask, in place: what greedy argmax and sampling both see.
+    """The grammar mask, penalties, then the min_tokens mask, in place: what greedy argmax and
+    sampling both see. Rows without a grammar cost one attribute check for the mask.
 
     These are the only steps that read one request's own data row by row, so they are where one
     request's bad data could raise: such a row is reported (row -> error) and left as it is, and
     every other row is adjusted as usual. The batch-wide steps after it take validated numbers."""
-    failed: dict[int, str] = {}
+    constrained = [
+        (i, r.grammar, r.extra if isinstance(r, SamplingRow) else ())
+        for i, r in enumerate(rows)
+        if r.grammar is not None
+    ]
+    failed: dict[int, str] = apply_grammars(logits, constrained) if constrained else {}
     penalised = any(
         r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows
     )
     for row, request in enumerate(rows):
+        if row in failed:
+            continue
         try:
             if penalised:
                 _penalise(logits, row, request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker.engine.structured.params import StructuredOutputs
 from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS
 
 
@@ -36,6 +37,8 @@ class SamplingParams:
     min_tokens: int = _default("min_tokens")  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = _default("logprobs")  # return the top-n logprobs (plus the sampled token's) per token
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
+    # A grammar the output must match (JSON schema, regex, choice, EBNF); a dict of its fields is accepted too.
+    structured_outputs: StructuredOutputs | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,8 @@ class SamplingParams:
         self.validate()
         self.stop_strings = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
 
@@ -64,6 +69,12 @@ class SamplingParams:
             )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidSamplingParams(f"invalid cache_salt={_short(self.cache_salt)}: must be a string or None")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs | dict):
+            raise InvalidSamplingParams(f"invalid structured_outputs={_short(so)}: must be a StructuredOutputs")
+        if so is not None and self.min_tokens:
+            # The grammar alone decides where a constrained output may end.
+            raise InvalidSamplingParams("min_tokens cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

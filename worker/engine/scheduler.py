@@ -87,6 +87,8 @@ class Scheduler:
             return True
         wanted = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
         for r in self.waiting:
+            if r.awaiting_grammar:
+                continue
             wanted += r.num_tokens - self.kv.lookup_prefix(r).num_tokens
             if wanted >= self.max_num_batched_tokens:
                 return True
@@ -126,14 +128,19 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
             index += 1
-        # 2) Waiting requests by priority then arrival, only if nothing had to be preempted.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # 2) Waiting requests by priority then arrival, only if nothing had to be preempted; a
+        #    request whose grammar is still compiling is passed over (it holds no one up).
+        index = 0
+        while not out.preempted and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
+            if request.awaiting_grammar:
+                index += 1
+                continue
             prefix = self.kv.lookup_prefix(request)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if self.kv.allocate(request, num_new, prefix, reserve=self.watermark_blocks) is None:
                 break  # head of line waits: admitting lower-priority requests first would invert order
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = prefix.num_tokens
             if request.num_cached_tokens < 0:

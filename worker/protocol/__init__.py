@@ -60,6 +60,7 @@ from worker.protocol.queue import (
     enqueue_job_async,
     enqueue_jobs,
 )
+from worker.protocol.structured import StructuredOutputsRequest
 
 __all__ = [
     "ENGINE_PRIORITY",
@@ -80,6 +81,7 @@ __all__ = [
     "FailedEvent",
     "JobRecord",
     "JobRequest",
+    "StructuredOutputsRequest",
     "JobState",
     "Keys",
     "Message",

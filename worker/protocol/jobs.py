@@ -26,6 +26,7 @@ from pydantic import (
 
 from worker.protocol.codec import compact_json, decoded
 from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS, TOKEN_ID_MAX, Limit
+from worker.protocol.structured import StructuredOutputsRequest
 
 PROTOCOL_VERSION = 1
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # no ':' or '.': an id never spells another key's name
@@ -67,6 +68,7 @@ class ErrorCode:
     TTL_EXPIRED = "ttl_expired"  # waited in the queue longer than ttl_s (state timed_out)
     EXECUTION_TIMEOUT = "execution_timeout"  # ran longer than timeout_s (state timed_out)
     ENGINE_ERROR = "engine_error"  # the engine raised while serving the job
+    INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # the grammar compiler refused structured_outputs
 
 
 # Webhook event names, and the job event type each is sent for. A timeout is a failure to the
@@ -249,6 +251,7 @@ class JobRequest(_JobSampling):
     webhook: Webhook | None = None
     created_at: float = Field(default_factory=time.time)  # unix seconds when the API accepted it
     cache_salt: str | None = None  # prefix-cache namespace (per tenant or per user)
+    structured_outputs: StructuredOutputsRequest | None = None  # a grammar the output must match
 
     @model_validator(mode="before")
     @classmethod
@@ -263,6 +266,8 @@ class JobRequest(_JobSampling):
             raise ValueError("'messages' must not be empty")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides the end)")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -270,6 +275,8 @@ class JobRequest(_JobSampling):
         kwargs = {limit.name: getattr(self, limit.name) for limit in SAMPLING_LIMITS if limit.name != "logprobs"}
         kwargs["logprobs"] = self.top_logprobs if self.logprobs else None
         kwargs["cache_salt"] = self.cache_salt
+        if self.structured_outputs is not None:
+            kwargs["structured_outputs"] = self.structured_outputs.engine_kwargs()
         return kwargs
 
 

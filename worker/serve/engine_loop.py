@@ -26,7 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine import Engine, EngineStats, InvalidSamplingParams, RequestOutput, Resume, SamplingParams
+from worker.engine import (
+    Engine,
+    EngineStats,
+    InvalidSamplingParams,
+    InvalidStructuredOutputError,
+    RequestOutput,
+    Resume,
+    SamplingParams,
+)
 from worker.protocol import (
     ENGINE_PRIORITY,
     CancelledEvent,
@@ -228,6 +236,8 @@ class EngineLoop:
             return [self._complete(run, "length", None, [])]  # the earlier attempt had reached its end
         try:
             params = SamplingParams(**req.sampling_kwargs())
+        except InvalidStructuredOutputError as exc:
+            return [self._fail(job.job_id, ErrorCode.INVALID_STRUCTURED_OUTPUT, str(exc))]
         except (ValueError, TypeError) as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
         resume = Resume(resumed, len(job.streamed.text)) if resumed else None
@@ -237,6 +247,8 @@ class EngineLoop:
             )
         except InvalidSamplingParams as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_SAMPLING_PARAMS, str(exc))]
+        except InvalidStructuredOutputError as exc:
+            return [self._fail(job.job_id, ErrorCode.INVALID_STRUCTURED_OUTPUT, str(exc))]
         except ValueError as exc:
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, str(exc))]
         except Exception as exc:
@@ -273,6 +285,8 @@ class EngineLoop:
         if out.finished:
             if out.finish_reason in ("stop", "length"):
                 return self._complete(run, out.finish_reason, out.stop_reason, out.metrics.inter_token_latencies)
+            if isinstance(out.error, InvalidStructuredOutputError):  # its grammar did not compile
+                return self._fail(job.job_id, ErrorCode.INVALID_STRUCTURED_OUTPUT, str(out.error))
             detail = f": {out.stop_reason}" if out.finish_reason == "error" else ""
             message = f"engine ended the request ({out.finish_reason}{detail})"
             return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, message)

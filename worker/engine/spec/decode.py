@@ -126,6 +126,9 @@ class SpecDecoder:
                 counts.append(k)
         if chosen:
             self.proposer.propose(chosen, counts)
+        for request in chosen:  # a constrained request verifies only what its grammar allows next
+            if request.grammar is not None and request.spec.token_ids:
+                request.spec.keep(request.grammar.valid_prefix(request.spec.token_ids))
 
     def observe(self, requests: list[Request], sampled: dict[str, list[int]]) -> None:
         """Time this step for the governor, if it only decoded (called before the engine applies it)."""
