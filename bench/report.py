@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PLOTS_DIR = REPO / "bench" / "plots"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu")
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start")
 
 
 @dataclass
@@ -231,9 +231,15 @@ def generic_rows(suite: str, data: dict) -> list[Row]:
     return [Row(suite, path, value, 1.0, "baseline", True) for path, value in _factor_leaves(data)]
 
 
+def cold_start_rows(data: dict) -> list[Row]:
+    """A worker start that finds the GGUF converted, against the first start that converts it."""
+    return [Row("cold_start", "worker start to ready (s), GGUF already converted", data.get("later_start_s_p50"),
+                data.get("first_start_s"), "first start (converts)", False)]
+
+
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
-    "linear_cpu": linear_cpu_rows,
+    "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows,
 }
 
 
