@@ -234,6 +234,34 @@ def plot_linear_cpu(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "linear_cpu.png")]
 
 
+def plot_quantized(data: dict, out_dir: Path) -> list[Path]:
+    """Output tokens/s per system and batch (left) and resident weight MB per system (right)."""
+    results = data.get("results") or {}
+    if not results:
+        return []
+    systems = list(results)
+    workloads = sorted({w for r in results.values() for w in r if w.startswith("batch")}, key=lambda w: int(w[5:]))
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(workloads))]
+        rates = [results[system].get(w, {}).get("tokens_per_s", 0) for w in workloads]
+        labels = [f"{r:.0f}" if r else "not run" for r in rates]  # llama.cpp decodes one request at a time
+        ax.bar_label(ax.bar(xs, rates, width=width, label=system), labels=labels, fontsize=8)
+    ax.set_xticks(range(len(workloads)), [w.replace("batch", "batch ") for w in workloads])
+    ax.set_ylabel("output tokens/s (greedy)")
+    ax.legend()
+    ax.set_title(f"{_get_model(data)}: tokens/s")
+    mem.bar_label(mem.bar(systems, [results[s].get("weight_mb", 0) for s in systems], color="tab:gray"), fmt="%.0f")
+    mem.set_ylabel("resident weights (MB)")
+    mem.set_title("weights in memory")
+    return [_save(fig, out_dir / "quantized.png")]
+
+
+def _get_model(data: dict) -> str:
+    return (data.get("settings") or {}).get("model", "model")
+
+
 def plot_factors(suite: str, rows, out_dir: Path) -> list[Path]:
     """Any suite's factors (bench.report rows: > 1 means Ferry is better) as horizontal bars."""
     rows = [r for r in rows if r.factor is not None]
@@ -255,7 +283,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
 
     drawers = {
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
-        "linear_cpu": plot_linear_cpu,
+        "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
     }
     paths = []
     for suite, data in results.items():

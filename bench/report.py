@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PLOTS_DIR = REPO / "bench" / "plots"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start")
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "quantized")
 
 
 @dataclass
@@ -193,6 +193,28 @@ def linear_cpu_rows(data: dict) -> list[Row]:
     ]
 
 
+def quantized_rows(data: dict) -> list[Row]:
+    """Ferry on a GGUF's quantized blocks against llama.cpp one request at a time, and against its
+    own float32 engine on the same file."""
+    results = data.get("results") or {}
+    big = f"batch{_get(data, 'settings', 'batch')}"
+    gguf, fp32 = results.get("ferry-gguf", {}), results.get("ferry-fp32", {})
+    llama = _get(results, "llama.cpp", "batch1", "tokens_per_s")
+    rows = [
+        Row("quantized", "output tok/s, Q4_1 GGUF, batch 1", _get(gguf, "batch1", "tokens_per_s"), llama,
+            "llama.cpp, one request", True),
+        Row("quantized", f"output tok/s, Q4_1 GGUF, {big.replace('batch', 'batch ')}", _get(gguf, big, "tokens_per_s"),
+            llama, "llama.cpp, one request at a time", True),
+        Row("quantized", "output tok/s, Q4_1 GGUF kept quantized, batch 1", _get(gguf, "batch1", "tokens_per_s"),
+            _get(fp32, "batch1", "tokens_per_s"), "Ferry float32 (dequantized)", True),
+        Row("quantized", f"output tok/s, Q4_1 GGUF kept quantized, {big.replace('batch', 'batch ')}",
+            _get(gguf, big, "tokens_per_s"), _get(fp32, big, "tokens_per_s"), "Ferry float32 (dequantized)", True),
+        Row("quantized", "resident weights (MB), Q4_1 GGUF", gguf.get("weight_mb"), fp32.get("weight_mb"),
+            "Ferry float32 (dequantized)", False),
+    ]
+    return [r for r in rows if r.ferry is not None and r.baseline is not None]
+
+
 def api_rows(data: dict) -> list[Row]:
     label = f"{data.get('clients')} streams"
     rows = [
@@ -240,6 +262,7 @@ def cold_start_rows(data: dict) -> list[Row]:
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
     "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows,
+    "quantized": quantized_rows,
 }
 
 

@@ -433,6 +433,20 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2):
 
 
 @pytest.mark.slow
+def test_smollm2_kept_quantized_decodes_as_its_dequantized_float32_engine(smollm2, shared_cache):
+    path, llm = smollm2
+    assert llm.engine.quantization == "gguf"  # a quantized GGUF's default on the CPU
+    plain = LLM(str(path), model_cache_dir=str(shared_cache), max_model_len=512, kv_cache_bytes=64 << 20,
+                quantization="none")
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    got, want = (
+        [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)] for engine in (llm, plain)
+    )
+    assert got == want
+
+
+@pytest.mark.slow
 def test_smollm2_answers_the_capital_of_france_through_its_chat_template(smollm2):
     _, llm = smollm2
     assert llm.engine.arch.num_layers == 30 and llm.engine.arch.tie_word_embeddings

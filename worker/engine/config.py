@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from worker.models.quantization import check_quantization_name
+
 SPEC_METHODS = ("ngram", "draft")
 
 
@@ -82,6 +84,10 @@ class EngineConfig:
     model_salt: str | None = None  # prefix-cache namespace of this model (default: from its config)
     # Speculative decoding (see SpeculativeConfig; a dict of its fields is accepted too); None = off.
     speculative: SpeculativeConfig | None = None
+    # Weights kept quantized in memory (CPU only): None = the format's default (a quantized GGUF
+    # stays quantized), "none", "gguf" (a GGUF's Q8_0/Q4_0/Q4_1 blocks), "int8" (quantized at
+    # load); see worker/models/quantization.py
+    quantization: str | None = None
     # Where GGUF models are converted to HF checkpoints, once per file (<dir>/<sha256 prefix>/);
     # a relative path is relative to the current directory
     model_cache_dir: str = ".ferry/models"
@@ -104,4 +110,5 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.structured_outputs_cache_size < 1:
             raise ValueError(f"structured_outputs_cache_size must be >= 1, got {self.structured_outputs_cache_size}")
+        check_quantization_name(self.quantization)
         self.speculative = SpeculativeConfig.of(self.speculative)

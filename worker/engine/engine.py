@@ -28,7 +28,8 @@ from worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
 from worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draft
 from worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputManager
 from worker.models.config import ModelArch
-from worker.models.loader import load_model, parse_dtype, resolve_model_path
+from worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
+from worker.models.quantization import resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids()
         torch.manual_seed(cfg.seed)
 
-        model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        quantization = resolve_quantization(cfg.quantization, gguf_file(cfg.model), self.device, self.dtype)
+        self.quantization = quantization.method  # "none" | "gguf" | "int8": what the weights are held as
+        model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, quantization)
         spec = cfg.speculative
         draft = None
         if spec is not None and spec.method == "draft":
@@ -115,8 +118,9 @@ class Engine:
         self._pending: list[RequestOutput] = []  # aborts reported by the next step
         self._arrivals = itertools.count()
         log.info(
-            "engine ready: %s (%s) on %s, %s, KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-            self.model_dir.name, self.arch.architecture, self.device, self.dtype, num_blocks,
+            "engine ready: %s (%s) on %s, %s, quantization %s, KV pool %d blocks x %d tokens (%.1f MiB), "
+            "max_model_len %d",
+            self.model_dir.name, self.arch.architecture, self.device, self.dtype, self.quantization, num_blocks,
             self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
         self.prefix_blocks = PrefixBlocks(self.kv, self.runner.kv_cache)  # what snapshots save and restore
@@ -171,7 +175,9 @@ class Engine:
 
     def _default_model_salt(self) -> str:
         config_text = (self.model_dir / "config.json").read_text()
-        return hashlib.sha256(f"{config_text}|{self.dtype}".encode()).hexdigest()[:16]
+        # Quantized weights compute other KV; an unquantized engine keeps the salt it always had.
+        held = "" if self.quantization == "none" else f"|{self.quantization}"
+        return hashlib.sha256(f"{config_text}|{self.dtype}{held}".encode()).hexdigest()[:16]
 
     # --- public API ----------------------------------------------------------------------------
 

@@ -164,6 +164,15 @@ def dequantized(tensor: GGUFTensor) -> torch.Tensor:
     return out.to(_STORED_DTYPE.get(tensor.qtype, torch.float32))
 
 
+def raw_blocks(tensor: GGUFTensor) -> torch.Tensor:  # [out, bytes per row] uint8
+    """A quantized matrix's bytes as the file stores them, one row of blocks per output row, in HF
+    row order (llama q/k rows restored: the blocks run along a row, so reordering rows is exact)."""
+    rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(tensor.shape[0], -1))  # own copy
+    if tensor.permuted_heads is not None:
+        rows = _unpermute_rows(rows, tensor.permuted_heads)
+    return rows
+
+
 def write_checkpoint(checkpoint: GGUFCheckpoint, out_dir: Path) -> None:
     """Write the HF checkpoint into `out_dir` (existing and empty): config, generation config,
     tokenizer, and the weights as safetensors shards with an index."""

@@ -7,11 +7,13 @@ checkpoint's separate tensors are copied into slices of them by `loader.py`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 import kernels
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, QuantizedWeight
 from worker.models.config import ModelArch, rope_cos_sin_cache
 
 
@@ -21,21 +23,43 @@ def _linear(layer: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose weight was packed once for the CPU product (`kernels.pack_linear_weight`);
-    the [out, in] tensor itself is dropped, so the weights are held once."""
+    """An nn.Linear whose weight only the CPU product reads: packed once for it
+    (`kernels.pack_linear_weight`) or kept quantized (`kernels.QuantizedWeight`). The [out, in]
+    tensor itself is dropped, so the weights are held once."""
 
-    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # weight: a kernels.cpu.native.PackedWeight
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # a native PackedWeight or a QuantizedWeight
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.register_buffer("panels", weight.panels, persistent=False)  # counted by buffers(), like a weight
+        self.register_buffer("packed", _held_tensor(weight), persistent=False)  # counted by buffers(), like a weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        form = self.weight.qtype if isinstance(self.weight, QuantizedWeight) else "packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {form}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized (a GGUF's, often also the tied LM head): a lookup
+    dequantizes only the rows asked for."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_buffer("packed", weight.tiles, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return kernels.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.out_features}, {self.weight.in_features}, {self.weight.qtype}"
+
+
+def _held_tensor(weight) -> torch.Tensor:
+    return weight.tiles if isinstance(weight, QuantizedWeight) else weight.panels
 
 
 class Attention(nn.Module):
@@ -123,8 +147,25 @@ class LlamaModel(nn.Module):
         self.native_stack = None  # every layer as one native call for decode steps, once pack_weights() ran
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    @torch.no_grad()
+    def keep_quantized(self, weights: Mapping[str, QuantizedWeight]) -> None:
+        """Hold these matrices quantized, dropping their float tensors. Names as in
+        named_parameters(): a projection's `layers.{i}.<module>.weight`, `embed_tokens.weight`,
+        `lm_head`. Call before pack_weights()."""
+        for name, weight in weights.items():
+            if name == "embed_tokens.weight":
+                self.embed_tokens = QuantizedEmbedding(weight)
+            elif name == "lm_head":
+                del self.lm_head  # a Parameter slot cannot hold a QuantizedWeight
+                self.lm_head = weight
+                self.register_buffer("lm_head_tiles", weight.tiles, persistent=False)
+            else:
+                parent, _, child = name.removesuffix(".weight").rpartition(".")
+                module = self.get_submodule(parent)
+                setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
 
     @torch.no_grad()
     def pack_weights(self) -> int:
@@ -140,7 +181,8 @@ class LlamaModel(nn.Module):
                     if packed is not None:
                         setattr(module, name, PackedLinear(packed, child.bias))
                         count += 1
-        self.lm_head_packed = kernels.pack_linear_weight(self.lm_head_weight)
+        head = self.lm_head_weight
+        self.lm_head_packed = kernels.pack_linear_weight(head) if isinstance(head, torch.Tensor) else None
         self.native_stack = self._build_native_stack()
         return count + (self.lm_head_packed is not None)
 

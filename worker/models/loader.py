@@ -13,11 +13,14 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kernels import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from worker.models.bundled import bundled_model_file
 from worker.models.config import ModelArch, rope_cos_sin_cache
 from worker.models.errors import ModelNotFoundError
+from worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from worker.models.gguf_cache import converted_checkpoint
 from worker.models.llama import LlamaModel
+from worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +45,15 @@ def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -
     - the name of a model that ships in an installed package (`smollm2-135m-instruct`, see
       bundled.py), unless a path of that name exists: its GGUF, converted as above;
     - a hub id (`org/name`) from the local Hugging Face cache only."""
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return converted_checkpoint(gguf, Path(cache_dir).expanduser())
     path = Path(model).expanduser()
-    if path.suffix.lower() == ".gguf" and not path.is_dir():
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file {path} not found")
-        return converted_checkpoint(path.resolve(), Path(cache_dir).expanduser())
     if path.is_dir():
         if (path / "config.json").is_file():
             return path.resolve()
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return converted_checkpoint(ggufs[0].resolve(), Path(cache_dir).expanduser())
-        if ggufs:
-            names = ", ".join(p.name for p in ggufs)
-            raise ModelNotFoundError(f"model directory {path} holds several GGUF files ({names}): name one of them")
         raise ModelNotFoundError(f"model directory {path} has no config.json and no .gguf file")
     name = str(model)
-    bundled = None if path.exists() else bundled_model_file(name)
-    if bundled is not None:
-        return converted_checkpoint(bundled, Path(cache_dir).expanduser())
     if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", name) and not path.exists():
         try:
             from huggingface_hub import snapshot_download
@@ -77,6 +70,26 @@ def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -
         f"model {name!r} not found: give a local directory with config.json and safetensors weights, "
         "a .gguf file, a bundled model name (smollm2-135m-instruct), or a hub id already in the local cache"
     )
+
+
+def gguf_file(model: str | os.PathLike) -> Path | None:
+    """The GGUF file `model` names (a `.gguf` file, a directory holding exactly one `.gguf` and
+    no config.json, or a bundled model's name when no path of that name exists), resolved; None
+    for anything else."""
+    path = Path(model).expanduser()
+    if not path.exists() and (bundled := bundled_model_file(str(model))) is not None:
+        return bundled.resolve()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} not found")
+        return path.resolve()
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelNotFoundError(f"model directory {path} holds several GGUF files ({names}): name one of them")
+    return ggufs[0].resolve() if ggufs else None
 
 
 def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -159,13 +172,23 @@ def _shard_rows(arch: ModelArch, shard: str) -> slice:
     }[shard]
 
 
-def load_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+def load_model(
+    model_dir: Path,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: Quantization = NO_QUANTIZATION,
+):
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint
+    (a GGUF's kept blocks from the file itself, see worker/models/quantization.py)."""
     with torch.device("meta"):
         model = LlamaModel(arch, max_positions)
     model = model.to_empty(device=device).to(dtype)
     # The rotary table stays float32 whatever the weights' dtype (as in transformers).
     model.cos_sin = rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions).to(device)
+    kept = {} if quantization.gguf is None else gguf_kept_weights(quantization.gguf, arch)
+    model.keep_quantized(kept)
     params = dict(model.named_parameters())
     # Each parameter must be covered fully: count the rows each shard fills.
     filled: dict[str, int] = {name: 0 for name in params}
@@ -178,8 +201,8 @@ def load_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: tor
                     if mapped is None:
                         continue
                     target, shard = mapped
-                    if target == "lm_head" and model.lm_head is None:
-                        continue  # tied: the embedding is the head
+                    if (target == "lm_head" and arch.tie_word_embeddings) or target in kept:
+                        continue  # tied (the embedding is the head), or held quantized
                     if target not in params:
                         raise ValueError(
                             f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured"
@@ -198,6 +221,41 @@ def load_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: tor
     missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    if quantization.method == "int8":
+        model.keep_quantized(int8_weights(model))
     model.pack_weights()
     model.eval()
     return model
+
+
+def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, QuantizedWeight]:
+    """The model's matrices that stay in the file's blocks (KEPT_TYPES), by parameter name. A
+    fused parameter qualifies only when all its parts are in one kept type; the rest are loaded
+    dequantized from the checkpoint."""
+    parts: dict[str, dict[str | None, GGUFTensor]] = {}
+    for tensor in checkpoint.tensors:
+        mapped = map_name(tensor.name)
+        if mapped is not None and len(tensor.shape) == 2:
+            target, shard = mapped
+            parts.setdefault(target, {})[shard] = tensor
+    kept = {}
+    for target, shards in parts.items():
+        tensors = [shards[s] for s in sorted(shards, key=lambda s: 0 if s is None else _shard_rows(arch, s).start)]
+        qtypes = {t.qtype for t in tensors}
+        if len(qtypes) != 1 or not qtypes <= KEPT_TYPES:
+            continue
+        blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
+        kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
+    return kept
+
+
+def int8_weights(model: LlamaModel) -> dict[str, QuantizedWeight]:
+    """Every float matrix of the model (projections, embeddings, an untied head) quantized to
+    int8 blocks, except those whose width is not a multiple of the 32-weight block."""
+    kept = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and param.shape[1] % 32 == 0:
+            kept[name] = quantize_int8_weight(param)
+        elif param.dim() == 2:
+            log.info("int8: %s %s stays float (width not a multiple of 32)", name, list(param.shape))
+    return kept

@@ -14,7 +14,7 @@ _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # weight data hashed per file
 
 def fingerprint(engine: Engine) -> str:
     """sha256 of the model's config, weight files (names, sizes, header and data samples), dtype,
-    block size, KV layout and the prefix cache's key salt. A snapshot restores only into an engine
+    quantization, block size, KV layout and the prefix cache's key salt. A snapshot restores only into an engine
     with the same fingerprint."""
     config = json.loads((engine.model_dir / "config.json").read_text())
     config.pop("transformers_version", None)  # re-saving with another library release changes nothing
@@ -31,6 +31,8 @@ def fingerprint(engine: Engine) -> str:
         "kv_block_shape": list(layout.block_shape),
         "model_salt": engine.model_salt,  # block keys are salted with it
     }
+    if engine.quantization != "none":  # an unquantized engine's fingerprint stays what it was
+        parts["quantization"] = engine.quantization
     return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -19,7 +19,8 @@ from worker.engine.model_runner import ModelRunner, SeqChunk
 from worker.engine.request import Request
 from worker.engine.sampler import SamplingRow, adjust_logits, peek_noise, sampling_probs
 from worker.models.config import ModelArch
-from worker.models.loader import load_model, resolve_model_path
+from worker.models.loader import gguf_file, load_model, resolve_model_path
+from worker.models.quantization import resolve_quantization
 
 
 def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -79,7 +80,8 @@ def load_draft(
             f"below max_model_len={max_model_len}"
         )
     _check_same_tokens(path, arch, target, target_tokenizer)
-    return load_model(path, arch, dtype, device, max_model_len), arch
+    quantization = resolve_quantization(None, gguf_file(directory), device, dtype)  # the draft format's default
+    return load_model(path, arch, dtype, device, max_model_len, quantization), arch
 
 
 def _check_same_tokens(path: Path, arch: ModelArch, target: ModelArch, target_tokenizer) -> None:

@@ -1,0 +1,153 @@
+"""Quantized weights in the engine (worker/models/quantization.py): a GGUF's Q8_0/Q4_0/Q4_1 blocks
+kept as they are and int8 quantized at load, against the float32 engine on the same weights.
+
+"gguf" multiplies the very values the dequantized engine holds, in another summation order, so
+greedy tokens must agree (the check allows one prompt of five to part on a near-tie) and
+perplexity must stay within 0.5%. "int8" changes the weights (about 0.5% relative error per
+block), so only perplexity is compared, within 1%.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import QuantizedWeight
+from tests.gguf_files import write_gguf
+from tests.tiny_models import CORPUS
+from worker.engine import LLM, Engine, EngineConfig, SamplingParams
+from worker.engine.model_runner import SeqChunk
+from worker.models.llama import PackedLinear, QuantizedEmbedding
+from worker.models.quantization import QuantizationError
+from worker.serve.settings import WorkerSettings
+from worker.snapshots import fingerprint
+
+NEW_TOKENS = 64
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+ENGINE = dict(kv_cache_bytes=8 << 20, max_model_len=256)
+HELD_OUT = (
+    "A worker pulls jobs from the queue only while its engine has room, and hands back the rest "
+    "when it drains. def step(self):\n    return self.scheduler.schedule()\n"
+)
+# (tiny model, its options, GGUF type): untied head and permuted llama q/k rows; a tied
+# quantized table (lookup and head); Qwen2's q/k/v biases beside quantized projections.
+CASES = [
+    ("llama", {}, "Q8_0"),
+    ("llama", {"tie_word_embeddings": True}, "Q4_0"),
+    ("qwen2", {}, "Q4_1"),
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tiny_model_factory, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quantized-gguf")
+
+    def make(arch: str, options: dict, qtype: str):
+        name = f"{arch}-{'-'.join(f'{k}={v}' for k, v in sorted(options.items()))}-{qtype}.gguf"
+        path = out / name
+        if not path.exists():
+            write_gguf(tiny_model_factory(arch, **options), path, qtype)
+        return path
+
+    return make
+
+
+def load(model, tmp_path, **kwargs) -> LLM:
+    return LLM(str(model), model_cache_dir=str(tmp_path / "cache"), **ENGINE, **kwargs)
+
+
+def perplexity(eng: Engine, text: str) -> float:
+    """exp(mean negative log-likelihood) of `text` read by the model in one prefill, through the
+    engine's own runner and kernels (blocks taken from the front of a pool no request uses)."""
+    ids = eng.encode(text)
+    blocks = list(range(-(-len(ids) // eng.block_size)))
+    logits = eng.runner.forward([SeqChunk(ids, 0, blocks, num_logits=len(ids))])
+    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+    nll = -logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
+    return math.exp(nll.item())
+
+
+def greedy(llm: LLM, prompts: list[str] = CORPUS) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def agreeing(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("arch", "options", "qtype"), CASES, ids=[f"{a}-{q}" for a, _, q in CASES])
+def test_gguf_blocks_kept_quantized_decode_as_the_dequantized_engine(gguf_path, tmp_path, arch, options, qtype):
+    path = gguf_path(arch, options, qtype)
+    quantized, plain = load(path, tmp_path, quantization="gguf"), load(path, tmp_path, quantization="none")
+    model = quantized.engine.runner.model
+    projections = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(projections) == 4 * quantized.engine.arch.num_layers
+    assert {p.weight.qtype for p in projections} == {qtype}
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.native_stack is not None
+    if not options.get("tie_word_embeddings"):
+        assert model.lm_head.qtype == qtype  # the file's untied head, kept quantized too
+    got, want = greedy(quantized), greedy(plain)
+    assert agreeing(got, want) >= len(CORPUS) - 1, f"{agreeing(got, want)}/{len(CORPUS)} prompts agree"
+    assert perplexity(quantized.engine, HELD_OUT) == pytest.approx(perplexity(plain.engine, HELD_OUT), rel=5e-3)
+
+
+def test_int8_keeps_perplexity_within_one_percent(llama_dir, tmp_path):
+    quantized, plain = load(llama_dir, tmp_path, quantization="int8"), load(llama_dir, tmp_path)
+    model = quantized.engine.runner.model
+    assert {p.weight.qtype for p in model.modules() if isinstance(p, PackedLinear)} == {"Q8_0"}
+    assert model.lm_head.qtype == "Q8_0" and isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert plain.engine.quantization == "none"  # an HF checkpoint's default
+    assert perplexity(quantized.engine, HELD_OUT) == pytest.approx(perplexity(plain.engine, HELD_OUT), rel=1e-2)
+    assert len(greedy(quantized)[0]) == NEW_TOKENS
+
+
+def test_default_keeps_a_quantized_gguf_quantized_on_the_cpu_only(gguf_path, tmp_path):
+    assert load(gguf_path("llama", {}, "Q4_1"), tmp_path).engine.quantization == "gguf"
+    assert load(gguf_path("llama", {}, "F32"), tmp_path).engine.quantization == "none"  # nothing to keep
+
+
+def test_gguf_types_the_product_cannot_read_are_dequantized(gguf_path, tmp_path):
+    path = gguf_path("llama", {}, "Q5_0")
+    kept, plain = load(path, tmp_path, quantization="gguf"), load(path, tmp_path, quantization="none")
+    held = [getattr(m, "weight", None) for m in kept.engine.runner.model.modules()]
+    assert kept.engine.quantization == "gguf" and not any(isinstance(w, QuantizedWeight) for w in held)
+    assert greedy(kept, CORPUS[:2]) == greedy(plain, CORPUS[:2])
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "message"),
+    [
+        ("hf", {"quantization": "gguf"}, "not a GGUF file"),
+        ("q4_1", {"quantization": "int8"}, r"already quantized \(Q4_1"),
+        ("q4_1", {"quantization": "gguf", "device": "cuda"}, "CPU only"),
+        ("hf", {"quantization": "int8", "device": "cuda"}, "CPU only"),
+        ("q4_1", {"quantization": "gguf", "dtype": "bfloat16"}, "float32"),
+    ],
+)
+def test_bad_combinations_are_refused_before_loading(llama_dir, gguf_path, tmp_path, model, kwargs, message):
+    path = llama_dir if model == "hf" else gguf_path("llama", {}, "Q4_1")
+    with pytest.raises(QuantizationError, match=message):
+        load(path, tmp_path, **kwargs)
+
+
+def test_unknown_quantization_and_the_worker_variable(monkeypatch):
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(model="m", quantization="awq")
+    monkeypatch.setenv("FERRY_QUANTIZATION", "int8")
+    assert WorkerSettings().engine.quantization == "int8"
+
+
+def test_quantized_engine_batches_caches_prefixes_speculates_and_fingerprints_apart(gguf_path, tmp_path):
+    path = gguf_path("llama", {"tie_word_embeddings": True}, "Q4_0")
+    quantized, plain = load(path, tmp_path, quantization="gguf"), load(path, tmp_path, quantization="none")
+    assert fingerprint(quantized.engine) != fingerprint(plain.engine)
+    assert quantized.engine.model_salt != plain.engine.model_salt  # no prefix-cache key is shared
+    batched = greedy(quantized)  # all five prompts in one continuously batched run
+    one_by_one = [greedy(quantized, [prompt])[0] for prompt in CORPUS]  # each prompt again: prefix-cache hits
+    assert one_by_one == batched
+    assert quantized.engine.stats().prefix_cache_hits > 0
+    speculative = load(path, tmp_path, quantization="gguf", speculative={"method": "ngram", "measure_speedup": False})
+    assert greedy(speculative) == batched
+    assert speculative.engine.stats().spec_decode.num_accepted_tokens > 0
