@@ -2,7 +2,9 @@
 
 Whether verifying k+1 tokens per request, plus the proposer's own work, beats one token per
 request depends on the device, the two models, the batch size and the acceptance of the moment;
-no fixed threshold gets all of them right. So for each batch size (rounded to a power of two)
+no fixed threshold gets all of them right (measured against the simple rule, acceptance pausing
+plus a batch-size cutoff: equal on SmolLM2 with n-gram, but at batch 1 it runs the trained toy
+pair's draft at 0.68-0.73x where the governor holds 0.98x; bench/README.md). So for each batch size (rounded to a power of two)
 the governor keeps the emitted tokens and the time of recent decode-only steps that verified
 proposals and of recent ones that did not, measures a few of each first, then lets requests
 propose while the first's rate (tokens over time, stalled steps left out: `_Side.add`) has
