@@ -89,6 +89,12 @@ def test_stop_string_and_seed(client):
     assert sampled[0] == sampled[1]
 
 
+def test_unset_max_tokens_is_the_rest_of_the_context_window(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.total_tokens == 1024  # the tiny model's max_model_len, not 16 tokens
+
+
 def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")

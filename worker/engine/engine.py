@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draf
 from worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputManager
 from worker.models.config import ModelArch
 from worker.models.loader import load_model, parse_dtype, resolve_model_path
+from worker.protocol.sampling import MODEL_DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
+        self.sampling_defaults = self._sampling_defaults()
         torch.manual_seed(cfg.seed)
 
         model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len)
@@ -158,6 +161,18 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
+    def _sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling values the model's generation_config.json sets (only those it names: the
+        fields a client leaves unset take them, see `SamplingParams.resolved`)."""
+        path = self.model_dir / "generation_config.json"
+        if not path.is_file():
+            return {}
+        config = json.loads(path.read_text())
+        found = {name: config[name] for name in MODEL_DEFAULTS if config.get(name) is not None}
+        if found:
+            log.info("sampling defaults from generation_config.json: %s", found)
+        return found
+
     def _kv_budget(self, bytes_per_block: int) -> int:
         if self.config.kv_cache_bytes is not None:
             return self.config.kv_cache_bytes
@@ -206,6 +221,7 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
+        params = params.resolved(self.sampling_defaults, self.max_model_len - len(token_ids))
         self.check_params(params)
         resumed = list(resume.token_ids) if resume is not None else []
         self._validate_resume(token_ids, resumed, params)

@@ -264,7 +264,7 @@ class JobRequest(_JobSampling):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides the end)")
