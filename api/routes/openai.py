@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from api.auth import tenant
-from api.errors import ApiError
+from api.errors import ApiError, error_body
 from api.openai_schemas import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -324,7 +324,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
             return out + ([chunk(shape.usage_chunk(event.usage))] if include_usage else []) + [sse("[DONE]")]
         if event.type in TERMINAL_EVENT_TYPES:
             error = job_error(event)
-            return [sse_json({"error": {"code": error.code, "message": error.message}}), sse("[DONE]")]
+            return [sse_json(error_body(error.status, error.code, error.message)), sse("[DONE]")]
         return []
 
     async def body():

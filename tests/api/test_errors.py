@@ -48,14 +48,31 @@ pytestmark = pytest.mark.redis
 def error(r, status: int) -> dict:
     assert r.status_code == status, r.text
     body = r.json()
-    assert set(body) == {"error"} and {"code", "message"} <= set(body["error"])
-    return body["error"]
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    e = body["error"]
+    assert e["type"] == ("server_error" if status >= 500 else e["type"]) and e["type"].endswith("_error")
+    assert e["param"] == e.get("field")  # `field` stays for older clients, the same as OpenAI's `param`
+    return e
 
 
 def test_open_mode_is_announced_loudly(caplog):
     with caplog.at_level(logging.WARNING, logger="ferry.api"), local_app(models="m") as api:
         assert api.post("/v1/jobs", json={"input": {"prompt": "x"}}).status_code == 202
     assert "OPEN MODE" in caplog.text
+
+
+def test_errors_have_openais_shape_and_keep_field():
+    with local_app(models="m") as api:
+        r = api.post("/v1/completions", json={"model": "m", "prompt": "x", "temperature": -1})
+        assert r.status_code == 422
+        message = r.json()["error"]["message"]
+        assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": "temperature",
+                                      "code": "invalid_request", "field": "temperature"}}
+        r = api.get("/v1/jobs/nope")
+        assert r.json()["error"] == {"message": "job 'nope' not found", "type": "invalid_request_error",
+                                     "param": None, "code": "job_not_found"}
+    with local_app(models="m", api_keys=f"{hash_key('k')}:t") as api:
+        assert error(api.get("/v1/models"), 401)["type"] == "authentication_error"
 
 
 def test_validation_errors_name_the_field():

@@ -103,6 +103,11 @@ def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.completions.create(model=MODEL, prompt=too_long)
     assert info.value.body["code"] == "prompt_too_long"
+    assert (info.value.code, info.value.type, info.value.param) == ("prompt_too_long", "invalid_request_error", None)
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert (info.value.code, info.value.type, info.value.param) == ("invalid_request", "invalid_request_error",
+                                                                    "temperature")
     with pytest.raises(openai.UnprocessableEntityError):  # a stream that fails at once still gets a status
         client.completions.create(model=MODEL, prompt=too_long, stream=True)
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as bad:
