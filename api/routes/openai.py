@@ -389,8 +389,12 @@ async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc,
     return await _answer(svc, http, job, shape, body.stream, include_usage)
 
 
-@router.get("/models", response_model=ModelList, responses=error_responses(401), summary="Models with a live worker")
+@router.get("/models", response_model=ModelList, responses=error_responses(401),
+            summary="Models served: those with a live worker and every configured one (FERRY_MODELS)")
 async def models(svc: Svc, _: Tenant) -> ModelList:
+    """A configured model is listed even while its pool is scaled to zero: its jobs queue and wake
+    the pool. `created` is the model's last worker heartbeat (0: no worker of it seen yet)."""
     since = time.time() - svc.settings.model_liveness_s
-    live = await svc.redis.zrangebyscore(svc.keys.models, since, "+inf", withscores=True)
-    return ModelList(data=[ModelCard(id=name, created=int(score)) for name, score in live])
+    seen = dict(await svc.redis.zrange(svc.keys.models, 0, -1, withscores=True))
+    names = {name for name, at in seen.items() if at >= since} | svc.configured_models
+    return ModelList(data=[ModelCard(id=name, created=int(seen.get(name, 0))) for name in sorted(names)])

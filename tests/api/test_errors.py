@@ -75,6 +75,13 @@ def test_errors_have_openais_shape_and_keep_field():
         assert error(api.get("/v1/models"), 401)["type"] == "authentication_error"
 
 
+def test_models_lists_configured_models_with_no_worker():
+    with local_app(models="m,other") as api:
+        r = api.get("/v1/models")
+        assert r.status_code == 200
+        assert [(m["id"], m["created"]) for m in r.json()["data"]] == [("m", 0), ("other", 0)]
+
+
 def test_validation_errors_name_the_field():
     with local_app(models="m") as api:
         e = error(api.post("/v1/jobs", json={"input": {"prompt": "x", "temperature": -1}}), 422)
