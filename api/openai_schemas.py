@@ -7,12 +7,12 @@ value, and unknown fields are ignored, as vLLM does, so existing clients work un
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator, model_validator
 
 from api.streaming import SSE_EVENT_SCHEMA
-from worker.protocol import Message, StructuredOutputsRequest
+from worker.protocol import Message, Priority, StructuredOutputsRequest
 from worker.protocol.jobs import TokenIds, check_json, sampling_annotation, sampling_fields
 from worker.protocol.sampling import LIMITS
 from worker.protocol.structured import check_json_schema
@@ -85,7 +85,20 @@ _LOGPROBS = sampling_annotation(LIMITS["logprobs"])
 _MAX_TOKENS = sampling_annotation(LIMITS["max_tokens"], nullable=True)
 
 
+def lane(priority: Priority | int) -> Priority:
+    """vLLM's integer priority (lower is served first, 0 by default) as one of the queue lanes:
+    below 0 is `high`, 0 is `normal`, above 0 is `low`; a lane's name is taken as is."""
+    if isinstance(priority, Priority):
+        return priority
+    return Priority.high if priority < 0 else Priority.low if priority > 0 else Priority.normal
+
+
 class _Body(_SamplingFields):
+    priority: Priority | Annotated[int, Strict()] = Field(
+        default=Priority.normal,
+        description="the queue lane: high, normal or low; or vLLM's integer (< 0 high, 0 normal, > 0 low)",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _valid_json(cls, data: Any) -> Any:

@@ -30,6 +30,7 @@ from api.openai_schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    lane,
     sse_200,
 )
 from api.schemas import error_responses
@@ -84,6 +85,7 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
             ttl_s=svc.settings.job_ttl_s,
             timeout_s=svc.settings.job_timeout_s,
             metadata={"api": "openai", "user": body.user} if body.user else {"api": "openai"},
+            priority=lane(body.priority),
             **fields,
         )
     except ValidationError as exc:

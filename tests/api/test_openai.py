@@ -95,6 +95,21 @@ def test_unset_max_tokens_is_the_rest_of_the_context_window(client):
     assert whole.usage.total_tokens == 1024  # the tiny model's max_model_len, not 16 tokens
 
 
+@pytest.mark.parametrize(
+    ("priority", "lane"), [("high", "high"), (-3, "high"), (0, "normal"), ("low", "low"), (7, "low")]
+)
+def test_priority_picks_the_queue_lane(stack, client, priority, lane):
+    whole = client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": priority})
+    with stack.client() as api:
+        assert api.get(f"/v1/jobs/{whole.id.removeprefix('cmpl-')}").json()["priority"] == lane
+
+
+def test_unknown_priority_is_refused_with_the_field_named(client):
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"priority": "urgent"})
+    assert info.value.param.startswith("priority")
+
+
 def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")
