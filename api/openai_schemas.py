@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_v
 
 from api.streaming import SSE_EVENT_SCHEMA
 from worker.protocol import Message, Priority, StructuredOutputsRequest
-from worker.protocol.jobs import TokenIds, check_json, sampling_annotation, sampling_fields
+from worker.protocol.jobs import LogitBias, TokenIds, check_json, sampling_annotation, sampling_fields
 from worker.protocol.sampling import LIMITS
 from worker.protocol.structured import check_json_schema
 
@@ -74,7 +74,7 @@ _SamplingFields = create_model(
     n=(int, Field(default=1, ge=1, le=1, description="only 1 is supported")),
     stream=(bool, False),
     stream_options=(StreamOptions | None, None),
-    logit_bias=(dict[str, float] | None, Field(default=None, description="not supported: must be empty")),
+    logit_bias=(LogitBias | None, Field(default=None, description="token id -> bias in [-100, 100], at most 300")),
     user=(str | None, None),
     structured_outputs=(StructuredOutputsRequest | None, Field(default=None, description="vLLM's: a grammar")),
     response_format=(ResponseFormat | None, None),

@@ -70,7 +70,7 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
         if value is not None and name not in fields:
             fields[name] = value
     if body.logit_bias:
-        raise ApiError(422, "unsupported", "logit_bias is not supported", field="logit_bias")
+        fields["logit_bias"] = body.logit_bias
     for name in UNSUPPORTED_FIELDS:
         value = getattr(body, name)
         if value not in (None, [], "none"):  # no tools, or tools never called, is what Ferry does

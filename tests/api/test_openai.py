@@ -110,6 +110,18 @@ def test_unknown_priority_is_refused_with_the_field_named(client):
     assert info.value.param.startswith("priority")
 
 
+def test_logit_bias_steers_the_tokens_and_is_checked_against_the_vocabulary(stack, client):
+    whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                      logit_bias={"9": 100}, extra_body={"ignore_eos": True})
+    with stack.client() as api:
+        job = api.get(f"/v1/jobs/{whole.id.removeprefix('cmpl-')}").json()
+    assert job["output"]["token_ids"] == [9] * 4, job
+    for bias, where in (({"99999999": 1}, "logit_bias"), ({"9": 101}, "logit_bias"), ({"x": 1}, "logit_bias")):
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias=bias)
+        assert info.value.param.startswith(where)
+
+
 def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")

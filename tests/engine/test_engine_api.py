@@ -294,3 +294,15 @@ def test_resolved_params_fill_only_what_is_unset():
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
         33, 0.7, 0.5, 0, 1.0
     )
+
+
+def test_logit_bias_must_be_this_models_and_in_range(llm):
+    vocab = llm.engine.arch.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias: token id {vocab} is beyond the vocabulary"):
+        llm.engine.add_request("lb", [5, 6], SamplingParams(logit_bias={vocab: 1.0}))
+    for bad in ({1: 100.5}, {-1: 1.0}, {i: 1.0 for i in range(301)}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                     logit_bias={9: 100.0}), use_tqdm=False)
+    assert out.token_ids == [9] * 5

@@ -36,6 +36,7 @@ NOT_SAMPLING = {
         "created_at",
         "cache_salt",
         "structured_outputs",
+        "logit_bias",
     },
     "completion": {
         "model",

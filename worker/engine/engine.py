@@ -259,11 +259,12 @@ class Engine:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the token ids must be this model's."""
-        bad = next((t for t in params.stop_token_ids if t >= self.arch.vocab_size), None)
-        if bad is not None:
-            raise InvalidSamplingParams(
-                f"invalid stop_token_ids: token id {bad} is beyond the vocabulary ({self.arch.vocab_size} ids)"
-            )
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = next((t for t in ids if t >= self.arch.vocab_size), None)
+            if bad is not None:
+                raise InvalidSamplingParams(
+                    f"invalid {name}: token id {bad} is beyond the vocabulary ({self.arch.vocab_size} ids)"
+                )
 
     def _validate_resume(self, prompt_ids: list[int], resumed: list[int], params: SamplingParams) -> None:
         if not resumed:

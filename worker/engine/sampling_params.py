@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from worker.engine.structured.params import StructuredOutputs
-from worker.protocol.sampling import LIMITS, MAX_TOKENS_LIMIT, MODEL_DEFAULTS, SAMPLING_LIMITS
+from worker.protocol.sampling import LIMITS, MAX_TOKENS_LIMIT, MODEL_DEFAULTS, SAMPLING_LIMITS, logit_bias_problem
 
 
 class InvalidSamplingParams(ValueError):
@@ -39,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = _default("ignore_eos")  # keep generating past the model's EOS token
     min_tokens: int = _default("min_tokens")  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = _default("logprobs")  # return the top-n logprobs (plus the sampled token's) per token
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
     # A grammar the output must match (JSON schema, regex, choice, EBNF); a dict of its fields is accepted too.
     structured_outputs: StructuredOutputs | None = None
@@ -70,6 +71,9 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})"
             )
+        problem = logit_bias_problem(self.logit_bias)
+        if problem is not None:
+            raise InvalidSamplingParams(f"invalid logit_bias={_short(self.logit_bias)}: {problem}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidSamplingParams(f"invalid cache_salt={_short(self.cache_salt)}: must be a string or None")
         so = self.structured_outputs

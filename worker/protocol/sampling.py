@@ -19,6 +19,27 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 TOKEN_ID_MAX = 2**31 - 1  # a token id or count the API accepts before it knows the model's vocabulary
+# logit_bias (OpenAI's): token id -> a bias added to its logit before sampling; -100 all but bans
+# the token, 100 all but forces it. Not a Limit: a map, checked by `logit_bias_problem` and by the
+# wire's `LogitBias` type (worker.protocol.jobs), both from these two numbers.
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_MAX = 100.0
+
+
+def logit_bias_problem(value: object) -> str | None:
+    """Why `value` is not a logit_bias map (token id -> bias), or None when it is (None: no bias)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "must be a map of token id to bias"
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        return f"must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+    for token, bias in value.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= TOKEN_ID_MAX:
+            return f"token ids must be integers >= 0 ({token!r} is not)"
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            return f"biases must be numbers in [-{_num(LOGIT_BIAS_MAX)}, {_num(LOGIT_BIAS_MAX)}] ({bias!r} is not)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
