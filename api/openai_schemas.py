@@ -108,7 +108,7 @@ class _Body(_SamplingFields):
 class CompletionRequest(_Body):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: _LOGPROBS = None  # type: ignore[valid-type]
-    echo: bool = Field(default=False, description="not supported: must be false")
+    echo: bool = Field(default=False, description="put the prompt before the completion (text prompts, no logprobs)")
     suffix: str | None = Field(default=None, description="not supported")
     best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
 

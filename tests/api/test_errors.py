@@ -99,9 +99,14 @@ def test_validation_errors_name_the_field():
         assert error(api.get("/v1/jobs/x", headers={"Last-Event-ID": "x"}), 404)["code"] == "job_not_found"
         e = error(api.get("/v1/jobs/x/events", headers={"Last-Event-ID": "abc"}), 422)
         assert e["field"] == "Last-Event-ID"
-        assert error(api.post("/v1/completions", json={"prompt": ["a", "b"]}), 422)["field"] == "prompt"
+        e = error(api.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True}), 422)
+        assert (e["code"], e["field"]) == ("unsupported", "stream")
+        assert error(api.post("/v1/completions", json={"prompt": []}), 422)["field"] == "prompt"
+        assert error(api.post("/v1/completions", json={"prompt": ["a"] * 65}), 422)["field"] == "prompt"
         assert error(api.post("/v1/completions", json={"prompt": "a", "n": 2}), 422)["field"] == "n"
-        assert error(api.post("/v1/completions", json={"prompt": "a", "echo": True}), 422)["code"] == "unsupported"
+        e = error(api.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1}), 422)
+        assert (e["code"], e["field"]) == ("unsupported", "echo")
+        assert error(api.post("/v1/completions", json={"prompt": [1, 2], "echo": True}), 422)["field"] == "echo"
         assert error(api.post("/v1/chat/completions", json={"messages": []}), 422)["field"] == "messages"
 
 

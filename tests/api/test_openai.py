@@ -122,6 +122,25 @@ def test_logit_bias_steers_the_tokens_and_is_checked_against_the_vocabulary(stac
         assert info.value.param.startswith(where)
 
 
+def test_a_list_of_prompts_gets_one_choice_per_prompt_in_order(client):
+    batch = ["The quick brown", "Hello", PROMPT]
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt=batch, **kwargs)
+    alone = [client.completions.create(prompt=p, **kwargs) for p in batch]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone]
+    assert whole.usage.completion_tokens == 18
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, echo=True).choices[0].text == PROMPT + plain
+    chunks = list(client.completions.create(**kwargs, echo=True, stream=True))
+    assert chunks[0].choices[0].text == PROMPT and "".join(c.choices[0].text for c in chunks) == PROMPT + plain
+
+
 def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")
