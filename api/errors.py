@@ -1,7 +1,9 @@
-"""One error shape for every failure: `{"error": {"code", "message", "field"?}}`.
+"""One error shape for every failure, OpenAI's: `{"error": {"message", "type", "param", "code", "field"?}}`.
 
-`code` is stable (clients branch on it); `message` is for people; `field` names the offending
-request field on validation errors. Bad input is never a 500: validation errors, malformed JSON,
+`code` is stable (clients branch on it); `message` is for people; `type` is OpenAI's class of
+error (`invalid_request_error` for a 4xx, `server_error` for a 5xx, ...); `param` names the
+offending request field on validation errors, or is null; `field` repeats it, present only when
+set, for clients written before `param`. Bad input is never a 500: validation errors, malformed JSON,
 unknown routes and wrong methods all map to 4xx here.
 """
 
@@ -51,15 +53,23 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def error_body(code: str, message: str, field: str | None = None) -> dict:
-    error = {"code": code, "message": message}
+# HTTP status -> OpenAI's error `type` (any other 4xx is an invalid request, any 5xx a server error).
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, code: str, message: str, field: str | None = None) -> dict:
+    error = {"message": message, "type": error_type(status), "param": field, "code": code}
     if field is not None:
         error["field"] = field
     return {"error": error}
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(code, message, field), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, code, message, field), status_code=status, headers=headers)
 
 
 def not_found(what: str, ident: str) -> ApiError:

@@ -7,13 +7,13 @@ value, and unknown fields are ignored, as vLLM does, so existing clients work un
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator, model_validator
 
 from api.streaming import SSE_EVENT_SCHEMA
-from worker.protocol import Message, StructuredOutputsRequest
-from worker.protocol.jobs import TokenIds, check_json, sampling_annotation, sampling_fields
+from worker.protocol import Message, Priority, StructuredOutputsRequest
+from worker.protocol.jobs import LogitBias, TokenIds, check_json, sampling_annotation, sampling_fields
 from worker.protocol.sampling import LIMITS
 from worker.protocol.structured import check_json_schema
 
@@ -74,7 +74,7 @@ _SamplingFields = create_model(
     n=(int, Field(default=1, ge=1, le=1, description="only 1 is supported")),
     stream=(bool, False),
     stream_options=(StreamOptions | None, None),
-    logit_bias=(dict[str, float] | None, Field(default=None, description="not supported: must be empty")),
+    logit_bias=(LogitBias | None, Field(default=None, description="token id -> bias in [-100, 100], at most 300")),
     user=(str | None, None),
     structured_outputs=(StructuredOutputsRequest | None, Field(default=None, description="vLLM's: a grammar")),
     response_format=(ResponseFormat | None, None),
@@ -85,7 +85,20 @@ _LOGPROBS = sampling_annotation(LIMITS["logprobs"])
 _MAX_TOKENS = sampling_annotation(LIMITS["max_tokens"], nullable=True)
 
 
+def lane(priority: Priority | int) -> Priority:
+    """vLLM's integer priority (lower is served first, 0 by default) as one of the queue lanes:
+    below 0 is `high`, 0 is `normal`, above 0 is `low`; a lane's name is taken as is."""
+    if isinstance(priority, Priority):
+        return priority
+    return Priority.high if priority < 0 else Priority.low if priority > 0 else Priority.normal
+
+
 class _Body(_SamplingFields):
+    priority: Priority | Annotated[int, Strict()] = Field(
+        default=Priority.normal,
+        description="the queue lane: high, normal or low; or vLLM's integer (< 0 high, 0 normal, > 0 low)",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _valid_json(cls, data: Any) -> Any:
@@ -95,7 +108,7 @@ class _Body(_SamplingFields):
 class CompletionRequest(_Body):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: _LOGPROBS = None  # type: ignore[valid-type]
-    echo: bool = Field(default=False, description="not supported: must be false")
+    echo: bool = Field(default=False, description="put the prompt before the completion (text prompts, no logprobs)")
     suffix: str | None = Field(default=None, description="not supported")
     best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
 

@@ -92,8 +92,12 @@ class JobView(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    code: str
+    """OpenAI's error shape; `code` is Ferry's stable code, `field` the same as `param` (older clients)."""
+
     message: str
+    type: str  # invalid_request_error, authentication_error, rate_limit_error, server_error, ...
+    param: str | None = None  # the offending request field, or null
+    code: str
     field: str | None = None
 
 

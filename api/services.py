@@ -128,12 +128,12 @@ async def model_limits(svc: Services, model: str) -> ModelLimits | None:
 
 
 async def check_against_model(svc: Services, request: JobRequest, prefix: str = "") -> None:
-    """Token ids the model cannot have (a prompt's, stop_token_ids) are a 422 here, before the job
+    """Token ids the model cannot have (a prompt's, stop_token_ids, logit_bias keys) are a 422 here, before the job
     is queued: in the engine such an id would fail the request."""
     limits = await model_limits(svc, request.model)
     if limits is None:
         return  # no worker has reported the model yet: the engine checks, and fails only that job
-    checks = [("stop_token_ids", request.stop_token_ids or [])]
+    checks = [("stop_token_ids", request.stop_token_ids or []), ("logit_bias", list(request.logit_bias or {}))]
     if isinstance(request.prompt, list):
         checks.append(("prompt", request.prompt))
     for name, ids in checks:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from api.auth import tenant
-from api.errors import ApiError
+from api.errors import ApiError, error_body
 from api.openai_schemas import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -30,6 +30,7 @@ from api.openai_schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    lane,
     sse_200,
 )
 from api.schemas import error_responses
@@ -56,6 +57,7 @@ _INPUT_ERRORS = {
     ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG,
     ErrorCode.INVALID_STRUCTURED_OUTPUT,
 }
+MAX_PROMPTS = 64  # prompts in one /v1/completions request: each is a job of its own
 _PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
 
@@ -69,7 +71,7 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
         if value is not None and name not in fields:
             fields[name] = value
     if body.logit_bias:
-        raise ApiError(422, "unsupported", "logit_bias is not supported", field="logit_bias")
+        fields["logit_bias"] = body.logit_bias
     for name in UNSUPPORTED_FIELDS:
         value = getattr(body, name)
         if value not in (None, [], "none"):  # no tools, or tools never called, is what Ferry does
@@ -84,6 +86,7 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
             ttl_s=svc.settings.job_ttl_s,
             timeout_s=svc.settings.job_timeout_s,
             metadata={"api": "openai", "user": body.user} if body.user else {"api": "openai"},
+            priority=lane(body.priority),
             **fields,
         )
     except ValidationError as exc:
@@ -99,24 +102,31 @@ def _structured_outputs(body):
     return from_format or body.structured_outputs
 
 
-def _one_prompt(prompt):
-    """OpenAI allows a batch of prompts; Ferry takes one per request (n=1)."""
+def prompts(prompt) -> list:
+    """OpenAI's prompt: one text or token-id list, or a batch of them (one job and one choice each)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(422, "invalid_request", "prompt: give one prompt per request", field="prompt")
-        return prompt[0]
-    return prompt
+        return prompt
+    return [prompt]
 
 
-def completion_job(svc: Services, tenant_name: str, model: str, body: CompletionRequest) -> JobRequest:
-    if body.echo:
-        raise ApiError(422, "unsupported", "echo is not supported", field="echo")
+def completion_jobs(svc: Services, tenant_name: str, model: str, body: CompletionRequest) -> list[JobRequest]:
+    """One job per prompt, in the prompts' order (the choices' indexes)."""
     if body.suffix:
         raise ApiError(422, "unsupported", "suffix is not supported", field="suffix")
-    fields = {"prompt": _one_prompt(body.prompt)}
+    batch = prompts(body.prompt)
+    if not batch or any(len(p) == 0 for p in batch):
+        raise ApiError(422, "invalid_request", "prompt: give at least one prompt, none of them empty", field="prompt")
+    if len(batch) > MAX_PROMPTS:
+        raise ApiError(422, "invalid_request", f"prompt: at most {MAX_PROMPTS} prompts per request", field="prompt")
+    if len(batch) > 1 and body.stream:
+        raise ApiError(422, "unsupported", "stream: a list of prompts is answered whole; stream one prompt per "
+                       "request", field="stream")
+    if body.echo and (body.logprobs is not None or any(not isinstance(p, str) for p in batch)):
+        raise ApiError(422, "unsupported", "echo: supported for text prompts without logprobs", field="echo")
+    fields = {}
     if body.logprobs is not None:
         fields |= {"logprobs": True, "top_logprobs": body.logprobs}
-    return _job_request(svc, tenant_name, model, body, **fields)
+    return [_job_request(svc, tenant_name, model, body, prompt=p, **fields) for p in batch]
 
 
 def chat_job(svc: Services, tenant_name: str, model: str, body: ChatCompletionRequest) -> JobRequest:
@@ -192,6 +202,8 @@ class Shape:
     created: int
     chat: bool
     logprobs: bool
+    index: int = 0  # the choice's index: the prompt's place in a batch of prompts
+    echo: str = ""  # the prompt, put before the completion (completions' `echo`)
     text: str = ""  # everything released so far
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -201,19 +213,19 @@ class Shape:
     def chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None = None) -> dict:
         if self.chat:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "delta": {"content": text} if text or finish_reason is None else {},
                 "logprobs": chat_logprobs(logprobs) if self.logprobs and logprobs else None,
                 "finish_reason": finish_reason,
             }
             return self._head("chat.completion.chunk") | {"choices": [choice]}
         lps = completion_logprobs(logprobs, len(self.text)) if self.logprobs and logprobs else None
-        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish_reason}
+        choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         return self._head("text_completion") | {"choices": [choice]}
 
     def first_chunk(self) -> dict | None:
         if not self.chat:
-            return None
+            return self.chunk(self.echo, None) if self.echo else None
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._head("chat.completion.chunk") | {"choices": [choice]}
 
@@ -226,7 +238,7 @@ class Shape:
     def body(self, finish_reason: str, usage: Usage) -> dict:
         if self.chat:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": {"role": "assistant", "content": self.text},
                 "logprobs": chat_logprobs(self.token_logprobs) if self.logprobs else None,
                 "finish_reason": finish_reason,
@@ -234,7 +246,8 @@ class Shape:
             head = self._head("chat.completion")
         else:
             lps = completion_logprobs(self.token_logprobs, 0) if self.logprobs else None
-            choice = {"index": 0, "text": self.text, "logprobs": lps, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": self.echo + self.text, "logprobs": lps,
+                      "finish_reason": finish_reason}
             head = self._head("text_completion")
         return head | {"choices": [choice], "usage": usage_json(usage)}
 
@@ -247,34 +260,62 @@ async def _cancel_quietly(svc: Services, job_id: str) -> None:
         await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
 
 
-async def _answer(svc: Services, http: Request, job: JobRequest, shape_for: Callable[[str], Shape], stream: bool,
-                  include_usage: bool):
-    await check_against_model(svc, job)
-    result = await submit(svc, job, None, source="openai")
-    shape = shape_for(result.job_id)
-    events = follow_events(svc.redis, svc.hub, svc.keys, result.job_id, idle_s=_TICK_S)
+async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_for: Callable[[str, int], Shape],
+                  stream: bool, include_usage: bool):
+    """Run the jobs (one per prompt; only a single job streams) and answer with one body whose
+    choices are theirs, in order. Any job's failure, a timeout or a client gone cancels them all."""
+    for job in jobs:
+        await check_against_model(svc, job)
+    job_ids = [(await submit(svc, job, None, source="openai")).job_id for job in jobs]
+    shapes = [shape_for(job_id, i) for i, job_id in enumerate(job_ids)]
     if stream:
-        return await _stream(svc, http, result.job_id, events, shape, include_usage)
+        events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S)
+        return await _stream(svc, http, job_ids[0], events, shapes[0], include_usage)
+    deadline = (jobs[0].ttl_s or 0) + (jobs[0].timeout_s or 0) + 30
     try:
-        deadline = (job.ttl_s or 0) + (job.timeout_s or 0) + 30
         async with asyncio.timeout(deadline):
-            async for batch in events:
-                if batch is None:
-                    if await http.is_disconnected():
-                        await _cancel_quietly(svc, result.job_id)
-                        return JSONResponse({}, status_code=499)
-                    continue
-                for event in batch:
-                    if event.type == "token":
-                        shape.text += event.text
-                        shape.token_logprobs += event.logprobs or []
-                    elif event.type == "completed":
-                        return JSONResponse(shape.body(event.finish_reason, event.usage))
-                    elif event.type in TERMINAL_EVENT_TYPES:
-                        raise job_error(event)
+            ends = await asyncio.gather(*(_collect(svc, http, shape, job_id) for shape, job_id in zip(shapes, job_ids,
+                                                                                                    strict=True)))
     except TimeoutError:
-        await _cancel_quietly(svc, result.job_id)
+        await _cancel_all(svc, job_ids)
         raise ApiError(504, "timeout", "no result in time; the job was cancelled") from None
+    except BaseException:
+        await _cancel_all(svc, job_ids)
+        raise
+    if any(end is None for end in ends):  # the client went away
+        await _cancel_all(svc, job_ids)
+        return JSONResponse({}, status_code=499)
+    bodies = [shape.body(end.finish_reason, end.usage) for shape, end in zip(shapes, ends, strict=True)]
+    body = bodies[0] | {"choices": [b["choices"][0] for b in bodies]}
+    body["usage"] = usage_json(Usage(**{name: sum(getattr(end.usage, name) for end in ends)
+                                        for name in Usage.model_fields}))
+    return JSONResponse(body)
+
+
+async def _cancel_all(svc: Services, job_ids: list[str]) -> None:
+    for job_id in job_ids:
+        await _cancel_quietly(svc, job_id)
+
+
+async def _collect(svc: Services, http: Request, shape: Shape, job_id: str) -> Event | None:
+    """Follow one job into `shape` until its `completed` event (returned); None when the client
+    went away; raises the job's error when it ended otherwise."""
+    events = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S)
+    try:
+        async for batch in events:
+            if batch is None:
+                if await http.is_disconnected():
+                    return None
+                continue
+            for event in batch:
+                if event.type == "token":
+                    shape.text += event.text
+                    shape.token_logprobs += event.logprobs or []
+                elif event.type == "completed":
+                    return event
+                elif event.type in TERMINAL_EVENT_TYPES:
+                    raise job_error(event)
+        return None
     finally:
         await events.aclose()
 
@@ -324,7 +365,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
             return out + ([chunk(shape.usage_chunk(event.usage))] if include_usage else []) + [sse("[DONE]")]
         if event.type in TERMINAL_EVENT_TYPES:
             error = job_error(event)
-            return [sse_json({"error": {"code": error.code, "message": error.message}}), sse("[DONE]")]
+            return [sse_json(error_body(error.status, error.code, error.message)), sse("[DONE]")]
         return []
 
     async def body():
@@ -363,13 +404,14 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
 )
 async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
     model = await resolve_model(svc, body.model)
-    job = completion_job(svc, tenant_name, model, body)
+    jobs = completion_jobs(svc, tenant_name, model, body)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
-    def shape(job_id: str) -> Shape:
-        return Shape(f"cmpl-{job_id}", model, int(job.created_at), chat=False, logprobs=body.logprobs is not None)
+    def shape(job_id: str, index: int) -> Shape:
+        return Shape(f"cmpl-{job_id}", model, int(jobs[0].created_at), chat=False, logprobs=body.logprobs is not None,
+                     index=index, echo=jobs[index].prompt if body.echo else "")
 
-    return await _answer(svc, http, job, shape, body.stream, include_usage)
+    return await _answer(svc, http, jobs, shape, body.stream, include_usage)
 
 
 @router.post(
@@ -383,14 +425,18 @@ async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc,
     job = chat_job(svc, tenant_name, model, body)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
-    def shape(job_id: str) -> Shape:
-        return Shape(f"chatcmpl-{job_id}", model, int(job.created_at), chat=True, logprobs=body.logprobs)
+    def shape(job_id: str, index: int) -> Shape:
+        return Shape(f"chatcmpl-{job_id}", model, int(job.created_at), chat=True, logprobs=body.logprobs, index=index)
 
-    return await _answer(svc, http, job, shape, body.stream, include_usage)
+    return await _answer(svc, http, [job], shape, body.stream, include_usage)
 
 
-@router.get("/models", response_model=ModelList, responses=error_responses(401), summary="Models with a live worker")
+@router.get("/models", response_model=ModelList, responses=error_responses(401),
+            summary="Models served: those with a live worker and every configured one (FERRY_MODELS)")
 async def models(svc: Svc, _: Tenant) -> ModelList:
+    """A configured model is listed even while its pool is scaled to zero: its jobs queue and wake
+    the pool. `created` is the model's last worker heartbeat (0: no worker of it seen yet)."""
     since = time.time() - svc.settings.model_liveness_s
-    live = await svc.redis.zrangebyscore(svc.keys.models, since, "+inf", withscores=True)
-    return ModelList(data=[ModelCard(id=name, created=int(score)) for name, score in live])
+    seen = dict(await svc.redis.zrange(svc.keys.models, 0, -1, withscores=True))
+    names = {name for name, at in seen.items() if at >= since} | svc.configured_models
+    return ModelList(data=[ModelCard(id=name, created=int(seen.get(name, 0))) for name in sorted(names)])

@@ -48,14 +48,38 @@ pytestmark = pytest.mark.redis
 def error(r, status: int) -> dict:
     assert r.status_code == status, r.text
     body = r.json()
-    assert set(body) == {"error"} and {"code", "message"} <= set(body["error"])
-    return body["error"]
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    e = body["error"]
+    assert e["type"] == ("server_error" if status >= 500 else e["type"]) and e["type"].endswith("_error")
+    assert e["param"] == e.get("field")  # `field` stays for older clients, the same as OpenAI's `param`
+    return e
 
 
 def test_open_mode_is_announced_loudly(caplog):
     with caplog.at_level(logging.WARNING, logger="ferry.api"), local_app(models="m") as api:
         assert api.post("/v1/jobs", json={"input": {"prompt": "x"}}).status_code == 202
     assert "OPEN MODE" in caplog.text
+
+
+def test_errors_have_openais_shape_and_keep_field():
+    with local_app(models="m") as api:
+        r = api.post("/v1/completions", json={"model": "m", "prompt": "x", "temperature": -1})
+        assert r.status_code == 422
+        message = r.json()["error"]["message"]
+        assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": "temperature",
+                                      "code": "invalid_request", "field": "temperature"}}
+        r = api.get("/v1/jobs/nope")
+        assert r.json()["error"] == {"message": "job 'nope' not found", "type": "invalid_request_error",
+                                     "param": None, "code": "job_not_found"}
+    with local_app(models="m", api_keys=f"{hash_key('k')}:t") as api:
+        assert error(api.get("/v1/models"), 401)["type"] == "authentication_error"
+
+
+def test_models_lists_configured_models_with_no_worker():
+    with local_app(models="m,other") as api:
+        r = api.get("/v1/models")
+        assert r.status_code == 200
+        assert [(m["id"], m["created"]) for m in r.json()["data"]] == [("m", 0), ("other", 0)]
 
 
 def test_validation_errors_name_the_field():
@@ -75,9 +99,14 @@ def test_validation_errors_name_the_field():
         assert error(api.get("/v1/jobs/x", headers={"Last-Event-ID": "x"}), 404)["code"] == "job_not_found"
         e = error(api.get("/v1/jobs/x/events", headers={"Last-Event-ID": "abc"}), 422)
         assert e["field"] == "Last-Event-ID"
-        assert error(api.post("/v1/completions", json={"prompt": ["a", "b"]}), 422)["field"] == "prompt"
+        e = error(api.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True}), 422)
+        assert (e["code"], e["field"]) == ("unsupported", "stream")
+        assert error(api.post("/v1/completions", json={"prompt": []}), 422)["field"] == "prompt"
+        assert error(api.post("/v1/completions", json={"prompt": ["a"] * 65}), 422)["field"] == "prompt"
         assert error(api.post("/v1/completions", json={"prompt": "a", "n": 2}), 422)["field"] == "n"
-        assert error(api.post("/v1/completions", json={"prompt": "a", "echo": True}), 422)["code"] == "unsupported"
+        e = error(api.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1}), 422)
+        assert (e["code"], e["field"]) == ("unsupported", "echo")
+        assert error(api.post("/v1/completions", json={"prompt": [1, 2], "echo": True}), 422)["field"] == "echo"
         assert error(api.post("/v1/chat/completions", json={"messages": []}), 422)["field"] == "messages"
 
 

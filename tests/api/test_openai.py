@@ -89,6 +89,58 @@ def test_stop_string_and_seed(client):
     assert sampled[0] == sampled[1]
 
 
+def test_unset_max_tokens_is_the_rest_of_the_context_window(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.total_tokens == 1024  # the tiny model's max_model_len, not 16 tokens
+
+
+@pytest.mark.parametrize(
+    ("priority", "lane"), [("high", "high"), (-3, "high"), (0, "normal"), ("low", "low"), (7, "low")]
+)
+def test_priority_picks_the_queue_lane(stack, client, priority, lane):
+    whole = client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": priority})
+    with stack.client() as api:
+        assert api.get(f"/v1/jobs/{whole.id.removeprefix('cmpl-')}").json()["priority"] == lane
+
+
+def test_unknown_priority_is_refused_with_the_field_named(client):
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"priority": "urgent"})
+    assert info.value.param.startswith("priority")
+
+
+def test_logit_bias_steers_the_tokens_and_is_checked_against_the_vocabulary(stack, client):
+    whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                      logit_bias={"9": 100}, extra_body={"ignore_eos": True})
+    with stack.client() as api:
+        job = api.get(f"/v1/jobs/{whole.id.removeprefix('cmpl-')}").json()
+    assert job["output"]["token_ids"] == [9] * 4, job
+    for bias, where in (({"99999999": 1}, "logit_bias"), ({"9": 101}, "logit_bias"), ({"x": 1}, "logit_bias")):
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias=bias)
+        assert info.value.param.startswith(where)
+
+
+def test_a_list_of_prompts_gets_one_choice_per_prompt_in_order(client):
+    batch = ["The quick brown", "Hello", PROMPT]
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt=batch, **kwargs)
+    alone = [client.completions.create(prompt=p, **kwargs) for p in batch]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone]
+    assert whole.usage.completion_tokens == 18
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, echo=True).choices[0].text == PROMPT + plain
+    chunks = list(client.completions.create(**kwargs, echo=True, stream=True))
+    assert chunks[0].choices[0].text == PROMPT and "".join(c.choices[0].text for c in chunks) == PROMPT + plain
+
+
 def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")
@@ -97,6 +149,11 @@ def test_errors_reach_the_client_as_openai_errors(stack, client):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.completions.create(model=MODEL, prompt=too_long)
     assert info.value.body["code"] == "prompt_too_long"
+    assert (info.value.code, info.value.type, info.value.param) == ("prompt_too_long", "invalid_request_error", None)
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert (info.value.code, info.value.type, info.value.param) == ("invalid_request", "invalid_request_error",
+                                                                    "temperature")
     with pytest.raises(openai.UnprocessableEntityError):  # a stream that fails at once still gets a status
         client.completions.create(model=MODEL, prompt=too_long, stream=True)
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as bad:

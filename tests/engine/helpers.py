@@ -15,7 +15,7 @@ def make_request(request_id: str, num_tokens: int, priority: int = 0, first_toke
     return Request(
         request_id=request_id,
         prompt_token_ids=list(range(first_token, first_token + num_tokens)),
-        params=SamplingParams(**params),
+        params=SamplingParams(**params).resolved({}, remaining=16),  # as Engine.add_request resolves them
         priority=priority,
         arrival_seq=next(_arrivals),
         metrics=RequestMetrics(arrival_time=0.0),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from worker.engine import LLM, Engine, Resume, SamplingParams
@@ -259,3 +262,47 @@ def test_stop_token_ids_beyond_the_vocabulary_are_refused(llm):
     with pytest.raises(InvalidSamplingParams, match="stop_token_ids"):
         llm.engine.add_request("x", [1, 2], SamplingParams(stop_token_ids=[llm.engine.arch.vocab_size]))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_unset_max_tokens_generates_to_the_end_of_the_context(llama_dir):
+    engine = LLM(str(llama_dir), max_model_len=40)
+    [out] = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out.token_ids) == 40 - 4 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens"):  # the resolved max_tokens still bounds min_tokens
+        engine.engine.add_request("m", [5] * 30, SamplingParams(min_tokens=20))
+
+
+def test_generation_config_sampling_applies_only_to_unset_fields(tmp_path, llama_dir):
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0, "top_k": 7}))
+    llm = LLM(str(model))
+    assert llm.engine.sampling_defaults == {"temperature": 0.0, "top_k": 7}
+    prompt = [[5, 6, 7]]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    unset = [llm.generate(prompt, SamplingParams(max_tokens=12, seed=s, ignore_eos=True), use_tqdm=False)
+             for s in (1, 2)]
+    assert unset[0][0].token_ids == unset[1][0].token_ids == greedy[0].token_ids  # the model's temperature 0
+    hot = [llm.generate(prompt, SamplingParams(max_tokens=12, temperature=5.0, seed=s, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids for s in (1, 2, 3)]
+    assert len({tuple(h) for h in hot}) > 1  # an explicit temperature wins over the model's
+
+
+def test_resolved_params_fill_only_what_is_unset():
+    params = SamplingParams(top_p=0.5).resolved({"top_p": 0.9, "temperature": 0.7}, remaining=33)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
+        33, 0.7, 0.5, 0, 1.0
+    )
+
+
+def test_logit_bias_must_be_this_models_and_in_range(llm):
+    vocab = llm.engine.arch.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias: token id {vocab} is beyond the vocabulary"):
+        llm.engine.add_request("lb", [5, 6], SamplingParams(logit_bias={vocab: 1.0}))
+    for bad in ({1: 100.5}, {-1: 1.0}, {i: 1.0 for i in range(301)}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                     logit_bias={9: 100.0}), use_tqdm=False)
+    assert out.token_ids == [9] * 5

@@ -24,7 +24,7 @@ def make_request(request_id: str, tokens: list[int], cache_salt: str | None = No
     return Request(
         request_id=request_id,
         prompt_token_ids=list(tokens),
-        params=SamplingParams(cache_salt=cache_salt),
+        params=SamplingParams(cache_salt=cache_salt).resolved({}, remaining=16),
         priority=0,
         arrival_seq=0,
         metrics=RequestMetrics(arrival_time=0.0),

@@ -127,3 +127,31 @@ def test_a_row_whose_own_data_raises_fails_alone():
     out = sample(logits, [good, bad])
     assert list(out.failed) == [1] and "IndexError" in out.failed[1]
     assert out.token_ids[0] == sample(alone, [good]).token_ids[0]
+
+
+def test_logit_bias_forces_bans_and_shifts_only_its_tokens():
+    logits = _logits(3, seed=5)
+    worst = int(logits[0].argmin())
+    best = int(logits[1].argmax())
+    rows = [
+        make_request("force", 3, temperature=0.0, logit_bias={worst: 100.0}),
+        make_request("ban", 3, temperature=0.0, logit_bias={best: -100.0}),
+        make_request("none", 3, temperature=0.0),
+    ]
+    adjusted = logits.clone()
+    assert adjust_logits(adjusted, rows) == {}
+    assert adjusted[0, worst] == logits[0, worst] + 100 and adjusted[1, best] == logits[1, best] - 100
+    assert torch.equal(adjusted[2], logits[2])
+    untouched = [i for i in range(VOCAB) if i != worst]
+    assert torch.equal(adjusted[0, untouched], logits[0, untouched])
+    out = sample(logits.clone(), rows)
+    assert out.token_ids[0] == worst and out.token_ids[1] != best
+
+
+def test_a_logit_bias_past_the_vocabulary_fails_its_row_alone():
+    good = make_request("good", 1, temperature=0.0, logit_bias={3: 5.0})
+    bad = make_request("bad", 2, temperature=0.0, logit_bias={VOCAB + 7: 5.0})  # what the engine's check refuses
+    logits = torch.randn(2, VOCAB)
+    out = sample(logits.clone(), [good, bad])
+    assert list(out.failed) == [1] and "IndexError" in out.failed[1]
+    assert out.token_ids[0] == sample(logits[:1].clone(), [good]).token_ids[0]

@@ -36,6 +36,7 @@ NOT_SAMPLING = {
         "created_at",
         "cache_salt",
         "structured_outputs",
+        "logit_bias",
     },
     "completion": {
         "model",
@@ -43,6 +44,7 @@ NOT_SAMPLING = {
         "stream",
         "stream_options",
         "logit_bias",
+        "priority",
         "user",
         "structured_outputs",
         "response_format",
@@ -58,6 +60,7 @@ NOT_SAMPLING = {
         "stream",
         "stream_options",
         "logit_bias",
+        "priority",
         "user",
         "structured_outputs",
         "response_format",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from worker.engine.structured import GrammarState, InvalidStructuredOutputError,
 from worker.models.config import ModelArch
 from worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
 from worker.models.quantization import resolve_quantization
+from worker.protocol.sampling import MODEL_DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
+        self.sampling_defaults = self._sampling_defaults()
         torch.manual_seed(cfg.seed)
 
         quantization = resolve_quantization(cfg.quantization, gguf_file(cfg.model), self.device, self.dtype)
@@ -162,6 +165,18 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
+    def _sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling values the model's generation_config.json sets (only those it names: the
+        fields a client leaves unset take them, see `SamplingParams.resolved`)."""
+        path = self.model_dir / "generation_config.json"
+        if not path.is_file():
+            return {}
+        config = json.loads(path.read_text())
+        found = {name: config[name] for name in MODEL_DEFAULTS if config.get(name) is not None}
+        if found:
+            log.info("sampling defaults from generation_config.json: %s", found)
+        return found
+
     def _kv_budget(self, bytes_per_block: int) -> int:
         if self.config.kv_cache_bytes is not None:
             return self.config.kv_cache_bytes
@@ -212,6 +227,7 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
+        params = params.resolved(self.sampling_defaults, self.max_model_len - len(token_ids))
         self.check_params(params)
         resumed = list(resume.token_ids) if resume is not None else []
         self._validate_resume(token_ids, resumed, params)
@@ -249,11 +265,12 @@ class Engine:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the token ids must be this model's."""
-        bad = next((t for t in params.stop_token_ids if t >= self.arch.vocab_size), None)
-        if bad is not None:
-            raise InvalidSamplingParams(
-                f"invalid stop_token_ids: token id {bad} is beyond the vocabulary ({self.arch.vocab_size} ids)"
-            )
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = next((t for t in ids if t >= self.arch.vocab_size), None)
+            if bad is not None:
+                raise InvalidSamplingParams(
+                    f"invalid {name}: token id {bad} is beyond the vocabulary ({self.arch.vocab_size} ids)"
+                )
 
     def _validate_resume(self, prompt_ids: list[int], resumed: list[int], params: SamplingParams) -> None:
         if not resumed:

@@ -1,6 +1,6 @@
 """A small, pure, batched sampler: logits in, one token per row out.
 
-Order per row (vLLM's): the grammar mask (structured outputs) -> penalties -> min_tokens mask ->
+Order per row: the grammar mask (structured outputs) -> penalties -> logit_bias -> min_tokens mask ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential
 race (argmax p/E, E ~ Exp(1)), so a seeded request consumes exactly one vector of its own
 generator per token: same seed, same tokens, whatever else is in the batch.
@@ -153,8 +153,13 @@ def top_logprobs(raw_logits: torch.Tensor, row: int, token: int, n: int) -> Posi
     return result
 
 
+def _bias(logits: torch.Tensor, row: int, logit_bias: dict[int, float]) -> None:
+    ids = torch.tensor(list(logit_bias), dtype=torch.long)
+    logits[row, ids] += torch.tensor(list(logit_bias.values()), dtype=logits.dtype)
+
+
 def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> dict[int, str]:
-    """The grammar mask, penalties, then the min_tokens mask, in place: what greedy argmax and
+    """The grammar mask, penalties, logit_bias, then the min_tokens mask, in place: what greedy argmax and
     sampling both see. Rows without a grammar cost one attribute check for the mask.
 
     These are the only steps that read one request's own data row by row, so they are where one
@@ -175,6 +180,8 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> dict[int, str]:
         try:
             if penalised:
                 _penalise(logits, row, request)
+            if request.params.logit_bias:
+                _bias(logits, row, request.params.logit_bias)
             _mask_min_tokens(logits, row, request)
         except Exception as exc:  # any error of one request's data: that request fails alone
             failed[row] = f"{type(exc).__name__}: {exc}"

@@ -1,15 +1,18 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names).
 
 Defaults and allowed values come from the one table of sampling fields
-(`worker.protocol.sampling`), which the API's request schemas read too.
+(`worker.protocol.sampling`), which the API's request schemas read too. A few fields may stay
+unset (None) until the engine admits the request: `max_tokens` (then the rest of the context
+window) and the fields of `MODEL_DEFAULTS` (then the model's generation_config.json);
+`Engine.add_request` resolves them with `resolved`, so the sampler only ever sees values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker.engine.structured.params import StructuredOutputs
-from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS
+from worker.protocol.sampling import LIMITS, MAX_TOKENS_LIMIT, MODEL_DEFAULTS, SAMPLING_LIMITS, logit_bias_problem
 
 
 class InvalidSamplingParams(ValueError):
@@ -22,12 +25,12 @@ def _default(name: str):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = _default("max_tokens")  # tokens to generate at most
-    temperature: float = _default("temperature")  # 0 = greedy
-    top_p: float = _default("top_p")  # nucleus: keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = _default("top_k")  # keep the k most likely tokens; 0 (or -1) = all
+    max_tokens: int | None = _default("max_tokens")  # tokens to generate at most; None: the rest of the context
+    temperature: float | None = _default("temperature")  # 0 = greedy; None: the model's default
+    top_p: float | None = _default("top_p")  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int | None = _default("top_k")  # keep the k most likely tokens; 0 (or -1) = all
     min_p: float = _default("min_p")  # drop tokens less likely than min_p x the most likely one
-    repetition_penalty: float = _default("repetition_penalty")  # >1 discourages tokens seen in the prompt or output
+    repetition_penalty: float | None = _default("repetition_penalty")  # >1 discourages tokens of prompt and output
     presence_penalty: float = _default("presence_penalty")  # subtracted once from tokens present in the output
     frequency_penalty: float = _default("frequency_penalty")  # subtracted per occurrence in the output
     seed: int | None = _default("seed")  # per-request RNG: same seed, same tokens, whatever the batch
@@ -36,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = _default("ignore_eos")  # keep generating past the model's EOS token
     min_tokens: int = _default("min_tokens")  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = _default("logprobs")  # return the top-n logprobs (plus the sampled token's) per token
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
     # A grammar the output must match (JSON schema, regex, choice, EBNF); a dict of its fields is accepted too.
     structured_outputs: StructuredOutputs | None = None
@@ -53,7 +57,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
-        if self.top_k == -1:
+        if self.top_k == -1:  # None stays None: unset until `resolved`
             self.top_k = 0
 
     def validate(self) -> None:
@@ -63,10 +67,13 @@ class SamplingParams:
             problem = limit.check(value)
             if problem is not None:
                 raise InvalidSamplingParams(f"invalid {limit.name}={_short(value)}: {problem}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidSamplingParams(
                 f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})"
             )
+        problem = logit_bias_problem(self.logit_bias)
+        if problem is not None:
+            raise InvalidSamplingParams(f"invalid logit_bias={_short(self.logit_bias)}: {problem}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidSamplingParams(f"invalid cache_salt={_short(self.cache_salt)}: must be a string or None")
         so = self.structured_outputs
@@ -75,6 +82,17 @@ class SamplingParams:
         if so is not None and self.min_tokens:
             # The grammar alone decides where a constrained output may end.
             raise InvalidSamplingParams("min_tokens cannot be combined with structured_outputs")
+
+    def resolved(self, model_defaults: dict[str, float | int], remaining: int) -> SamplingParams:
+        """A copy with every unset field given its value: `max_tokens` the `remaining` context
+        (max_model_len minus the prompt), the others the model's `model_defaults` (from its
+        generation_config.json), else `MODEL_DEFAULTS`. Raises InvalidSamplingParams as the
+        constructor does (min_tokens beyond the remaining context, say)."""
+        unset = {name: model_defaults.get(name, value) for name, value in MODEL_DEFAULTS.items()
+                 if getattr(self, name) is None}
+        if self.max_tokens is None:
+            unset["max_tokens"] = max(1, min(remaining, MAX_TOKENS_LIMIT))
+        return replace(self, **unset) if unset else self
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,14 @@ from pydantic import (
 )
 
 from worker.protocol.codec import compact_json, decoded
-from worker.protocol.sampling import LIMITS, SAMPLING_LIMITS, TOKEN_ID_MAX, Limit
+from worker.protocol.sampling import (
+    LIMITS,
+    LOGIT_BIAS_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
+    SAMPLING_LIMITS,
+    TOKEN_ID_MAX,
+    Limit,
+)
 from worker.protocol.structured import StructuredOutputsRequest
 
 PROTOCOL_VERSION = 1
@@ -136,6 +143,14 @@ def check_metadata(value: dict[str, Any]) -> dict[str, Any]:
 Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
 StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 TokenIds = list[Annotated[int, Strict(), Field(ge=0, le=TOKEN_ID_MAX)]]
+# OpenAI's logit_bias: JSON keys are strings ("50256": -100), read as token ids.
+LogitBias = Annotated[
+    dict[
+        Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)],
+        Annotated[float, Strict(), Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX, allow_inf_nan=False)],
+    ],
+    Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+]
 
 
 # --- sampling fields, from the one table -------------------------------------------------------
@@ -252,6 +267,7 @@ class JobRequest(_JobSampling):
     created_at: float = Field(default_factory=time.time)  # unix seconds when the API accepted it
     cache_salt: str | None = None  # prefix-cache namespace (per tenant or per user)
     structured_outputs: StructuredOutputsRequest | None = None  # a grammar the output must match
+    logit_bias: LogitBias | None = None  # token id -> bias added to its logit
 
     @model_validator(mode="before")
     @classmethod
@@ -264,7 +280,7 @@ class JobRequest(_JobSampling):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides the end)")
@@ -275,6 +291,7 @@ class JobRequest(_JobSampling):
         kwargs = {limit.name: getattr(self, limit.name) for limit in SAMPLING_LIMITS if limit.name != "logprobs"}
         kwargs["logprobs"] = self.top_logprobs if self.logprobs else None
         kwargs["cache_salt"] = self.cache_salt
+        kwargs["logit_bias"] = self.logit_bias
         if self.structured_outputs is not None:
             kwargs["structured_outputs"] = self.structured_outputs.engine_kwargs()
         return kwargs

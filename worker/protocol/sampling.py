@@ -19,6 +19,27 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 TOKEN_ID_MAX = 2**31 - 1  # a token id or count the API accepts before it knows the model's vocabulary
+# logit_bias (OpenAI's): token id -> a bias added to its logit before sampling; -100 all but bans
+# the token, 100 all but forces it. Not a Limit: a map, checked by `logit_bias_problem` and by the
+# wire's `LogitBias` type (worker.protocol.jobs), both from these two numbers.
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_MAX = 100.0
+
+
+def logit_bias_problem(value: object) -> str | None:
+    """Why `value` is not a logit_bias map (token id -> bias), or None when it is (None: no bias)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "must be a map of token id to bias"
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        return f"must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+    for token, bias in value.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= TOKEN_ID_MAX:
+            return f"token ids must be integers >= 0 ({token!r} is not)"
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            return f"biases must be numbers in [-{_num(LOGIT_BIAS_MAX)}, {_num(LOGIT_BIAS_MAX)}] ({bias!r} is not)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,17 +117,34 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+# The fields whose unset value (None) takes the model's `generation_config.json` value, and the
+# value each takes when the model's file says nothing (vLLM's rule: a client that sets none of them
+# gets the sampling the model's authors recommend, not a flat temperature 1).
+MODEL_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+_FROM_MODEL = "; unset: the model's generation_config.json, else "
+
 # Every sampling field, in vLLM's names. Defaults are the engine's; the API leaves a field unset
-# (None) where the client did not send it and the engine default applies.
+# (None) where the client did not send it and the engine default applies. An unset `max_tokens` is
+# the rest of the context window (max_model_len minus the prompt), which only the engine knows.
 SAMPLING_LIMITS: tuple[Limit, ...] = (
-    Limit("max_tokens", int, 16, ge=1, le=MAX_TOKENS_LIMIT, doc="tokens to generate at most"),
-    Limit("temperature", float, 1.0, ge=0.0, le=100.0, doc="0 = greedy"),
     Limit(
-        "top_p", float, 1.0, gt=0.0, le=1.0, doc="nucleus: the smallest set of tokens whose probability reaches top_p"
+        "max_tokens", int, None, ge=1, le=MAX_TOKENS_LIMIT, nullable=True,
+        doc="tokens to generate at most; unset: the rest of the context window",
     ),
-    Limit("top_k", int, 0, ge=-1, le=TOKEN_ID_MAX, doc="the k most likely tokens; 0 or -1 = all"),
+    Limit("temperature", float, None, ge=0.0, le=100.0, nullable=True, doc="0 = greedy" + _FROM_MODEL + "1"),
+    Limit(
+        "top_p", float, None, gt=0.0, le=1.0, nullable=True,
+        doc="nucleus: the smallest set of tokens whose probability reaches top_p" + _FROM_MODEL + "1",
+    ),
+    Limit(
+        "top_k", int, None, ge=-1, le=TOKEN_ID_MAX, nullable=True,
+        doc="the k most likely tokens; 0 or -1 = all" + _FROM_MODEL + "0",
+    ),
     Limit("min_p", float, 0.0, ge=0.0, le=1.0, doc="drop tokens less likely than min_p x the most likely one"),
-    Limit("repetition_penalty", float, 1.0, gt=0.0, le=100.0, doc="> 1 discourages tokens of the prompt and output"),
+    Limit(
+        "repetition_penalty", float, None, gt=0.0, le=100.0, nullable=True,
+        doc="> 1 discourages tokens of the prompt and output" + _FROM_MODEL + "1",
+    ),
     Limit("presence_penalty", float, 0.0, ge=-2.0, le=2.0, doc="subtracted once from tokens present in the output"),
     Limit("frequency_penalty", float, 0.0, ge=-2.0, le=2.0, doc="subtracted per occurrence in the output"),
     Limit("seed", int, None, ge=INT64_MIN, le=INT64_MAX, nullable=True, doc="same seed, same tokens"),

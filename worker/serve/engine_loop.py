@@ -232,7 +232,8 @@ class EngineLoop:
         if len(prompt_ids) >= self.engine.max_model_len:
             return [self._fail(job.job_id, ErrorCode.PROMPT_TOO_LONG,
                                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.engine.max_model_len}")]
-        if resumed and (len(resumed) >= req.max_tokens or len(prompt_ids) + len(resumed) >= self.engine.max_model_len):
+        reached = req.max_tokens is not None and len(resumed) >= req.max_tokens
+        if resumed and (reached or len(prompt_ids) + len(resumed) >= self.engine.max_model_len):
             return [self._complete(run, "length", None, [])]  # the earlier attempt had reached its end
         try:
             params = SamplingParams(**req.sampling_kwargs())

@@ -634,7 +634,7 @@ def _exact_joint(model_dir: str, prompt: list[int], params: SamplingParams, dept
             logits = model(torch.tensor([prompt + list(c) for c in contexts])).logits[:, -1].float()
         rows = []
         for context in contexts:
-            request = Request("x", list(prompt), params, 0, 0, RequestMetrics(0.0))
+            request = Request("x", list(prompt), params.resolved({}, depth), 0, 0, RequestMetrics(0.0))
             for token in context:
                 request.append_output(token, None)
             rows.append(request)

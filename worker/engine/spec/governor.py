@@ -4,17 +4,17 @@ Whether verifying k+1 tokens per request, plus the proposer's own work, beats on
 request depends on the device, the two models, the batch size and the acceptance of the moment;
 no fixed threshold gets all of them right (measured against the simple rule, acceptance pausing
 plus a batch-size cutoff: equal on SmolLM2 with n-gram, but at batch 1 it runs the trained toy
-pair's draft at 0.68-0.73x where the governor holds 0.98x; bench/README.md). So for each batch size (rounded to a power of two)
-the governor keeps the emitted tokens and the time of recent decode-only steps that verified
-proposals and of recent ones that did not, measures a few of each first, then lets requests
-propose while the first's rate (tokens over time, stalled steps left out: `_Side.add`) has
-been the higher, and now and then measures the slower side again: soon after a change, then at
-doubling intervals while it stays slower, so that probing a loss costs little and a change in
-load or acceptance still shows. A probe's timed step replaces the slower side's earlier
-samples, which describe the requests and load of a while ago: a probe that finds speculation
-now faster (the text being generated has started to repeat the prompt, say) measures one more
-step and then switches, where stale samples would have outvoted several probes at doubling
-intervals. Were both steps lucky, the side's next steps show it within a few.
+pair's draft at 0.68-0.73x where the governor holds 0.98x; bench/README.md). So for each batch
+size (rounded to a power of two) the governor keeps the emitted tokens and the time of recent
+decode-only steps that verified proposals and of recent ones that did not, measures a few of
+each first, then lets requests propose while the first's rate (tokens over time, stalled steps
+left out: `_Side.add`) has been the higher, and now and then measures the slower side again:
+soon after a change, then at doubling intervals while it stays slower, so that probing a loss
+costs little and a change in load or acceptance still shows. A probe's timed step replaces the
+slower side's earlier samples, which describe the requests and load of a while ago: a probe that
+finds speculation now faster (the text being generated has started to repeat the prompt, say)
+measures one more step and then switches, where stale samples would have outvoted several probes
+at doubling intervals. Were both steps lucky, the side's next steps show it within a few.
 
 When the running requests turn over (fewer than half of them were running at the last
 turnover), each batch size keeps its choice and its measurements, and its probe interval starts
