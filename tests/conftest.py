@@ -43,3 +43,14 @@ def smollm2_dir() -> Path:
     from worker.models.loader import resolve_model_path
 
     return resolve_model_path(SMOLLM2_SERVED_NAME, MODEL_CACHE_DIR)
+
+
+@pytest.fixture
+def private(tmp_path):
+    """A Redis server of the test's own on a free port, which the test may kill, pause or restart."""
+    from tests.serve.conftest import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill9()

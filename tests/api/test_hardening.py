@@ -31,14 +31,6 @@ from worker.webhooks.delivery import resolve_target
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 
-@pytest.fixture
-def private(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill9()
-
-
 @contextlib.contextmanager
 def app_on(server: RedisServer, **overrides):
     prefix = new_prefix()

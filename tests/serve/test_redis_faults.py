@@ -19,7 +19,6 @@ import redis
 
 from tests.serve.conftest import (
     REPO,
-    RedisServer,
     enqueue,
     record,
     start_worker,
@@ -30,14 +29,6 @@ from tests.serve.conftest import (
 from worker.protocol import JobRequest, JobState, Keys, enqueue_job
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def private(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill9()
 
 
 def _readyz(worker) -> int:
