@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import boto3
@@ -119,7 +121,12 @@ def test_a_webhook_travels_through_sqs_to_the_receiver(sqs_endpoint, receiver, t
         delete_prefix(prefix)
 
 
-def test_a_retry_cap_beyond_what_sqs_can_hold_invisible_is_refused():
+def test_a_retry_cap_beyond_what_sqs_can_hold_invisible_is_refused_at_start():
     settings = WebhookSettings(celery_broker_url="sqs://", webhook_retry_max_s=30000.0)
     with pytest.raises(ValueError, match="SQS allows at most 43200"):
         broker_transport_options(settings)
+    env = dict(os.environ, **AWS_ENV, FERRY_CELERY_BROKER_URL="sqs://", FERRY_WEBHOOK_RETRY_MAX_S="30000",
+               FERRY_WEBHOOK_SECRET=SECRET, FERRY_WEBHOOK_METRICS_PORT="0")
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "webhooks"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "SQS allows at most 43200" in done.stderr
