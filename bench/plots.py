@@ -258,6 +258,21 @@ def plot_quantized(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "quantized.png")]
 
 
+def plot_redis_capacity(data: dict, out_dir: Path) -> list[Path]:
+    """Redis shards a fleet needs, from bench.redis_capacity's JSON."""
+    sizing = data.get("sizing") or {}
+    fleets = sizing.get("fleets")
+    if not fleets:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = ax.bar([str(f["gpus"]) for f in fleets], [f["shards"] for f in fleets], color="tab:red")
+    ax.bar_label(bars, fmt="%d")
+    ax.set_xlabel("GPU workers")
+    ax.set_ylabel("Redis shards (primaries)")
+    ax.set_title(f"{sizing['gpu_tokens_per_s']:.0f} tok/s per GPU, {sizing['headroom']:.0%} of a node per shard")
+    return [_save(fig, out_dir / "redis_capacity.png")]
+
+
 def _get_model(data: dict) -> str:
     return (data.get("settings") or {}).get("model", "model")
 
@@ -283,7 +298,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
 
     drawers = {
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
-        "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
+        "linear_cpu": plot_linear_cpu, "quantized": plot_quantized, "redis_capacity": plot_redis_capacity,
     }
     paths = []
     for suite, data in results.items():

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PLOTS_DIR = REPO / "bench" / "plots"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "quantized")
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "quantized",
+               "redis_capacity")
 
 
 @dataclass

@@ -7,6 +7,8 @@ import re
 import pytest
 
 from tests.infra.hcl import TERRAFORM, first, load_dir, module_dirs, one
+from worker.webhooks.settings import WebhookSettings
+from worker.webhooks.tasks import visibility_timeout_s
 
 MODULES = {p.name: load_dir(p) for p in module_dirs()}
 DEV = load_dir(TERRAFORM / "envs" / "dev")
@@ -18,12 +20,12 @@ TAGGABLE = {
     "aws_iam_role", "aws_flow_log", "aws_secretsmanager_secret", "aws_elasticache_subnet_group",
     "aws_security_group", "aws_vpc_security_group_ingress_rule", "aws_elasticache_replication_group",
     "aws_s3_bucket", "aws_eks_cluster", "aws_iam_openid_connect_provider", "aws_launch_template",
-    "aws_eks_node_group",
+    "aws_eks_node_group", "aws_sqs_queue",
 }  # fmt: skip
 
 
 def test_every_tf_file_parses_and_modules_are_complete():
-    assert set(MODULES) == {"network", "redis", "snapshots", "gpu_pool", "iam"}
+    assert set(MODULES) == {"network", "redis", "snapshots", "gpu_pool", "iam", "celery_queue"}
     for name, blocks in MODULES.items():
         files = {b.path.name for b in blocks}
         assert {"main.tf", "variables.tf", "outputs.tf", "versions.tf"} <= files, name
@@ -50,7 +52,8 @@ def test_every_variable_has_a_description_and_type_and_inputs_are_validated():
         "redis": {"name", "node_type", "engine_version"},
         "snapshots": {"bucket_name", "snapshot_prefix"},
         "gpu_pool": {"gpu_instance_types", "gpu_min_size", "gpu_max_size", "gpu_capacity_type", "public_access_cidrs"},
-        "iam": {"snapshot_bucket_arn", "snapshot_prefix"},
+        "iam": {"snapshot_bucket_arn", "snapshot_prefix", "celery_queue_arn"},
+        "celery_queue": {"name", "key_prefix", "visibility_timeout_s", "max_receive_count"},
     }
     for module, names in must_validate.items():
         validated = {b.name for b in MODULES[module] if b.kind == "variable" and "validation" in b.body}
@@ -96,14 +99,49 @@ def test_gpu_pool_cluster_is_private_encrypted_and_logged():
         assert first(first(lt.body["block_device_mappings"])["ebs"])["encrypted"] is True
 
 
-def test_redis_is_encrypted_authenticated_and_redis7():
+def test_redis_is_a_cluster_encrypted_authenticated_and_redis7():
     rg = one(MODULES["redis"], "resource", "aws_elasticache_replication_group").body
     assert rg["at_rest_encryption_enabled"] is True and rg["transit_encryption_enabled"] is True
     assert rg["kms_key_id"].startswith("${aws_kms_key.")
     assert rg["auth_token"] == "${random_password.auth.result}"
-    assert rg["multi_az_enabled"] == "${var.multi_az}" and rg["automatic_failover_enabled"] == "${var.multi_az}"
+    assert rg["cluster_mode"] == "enabled" and rg["parameter_group_name"] == "default.redis7.cluster.on"
+    assert rg["num_node_groups"] == "${var.num_node_groups}"
+    assert rg["replicas_per_node_group"] == "${var.replicas_per_node_group}"
+    assert rg["automatic_failover_enabled"] is True  # cluster mode refuses it off
+    assert rg["multi_az_enabled"] == "${var.replicas_per_node_group > 0}"
+    endpoint = one(MODULES["redis"], "output", "", "configuration_endpoint").body["value"]
+    assert "configuration_endpoint_address" in endpoint
     assert one(MODULES["redis"], "variable", "", "engine_version").body["default"].startswith("7")
-    assert rg["parameter_group_name"] == "default.redis7"
+    dev = one(DEV, "module", "", "redis").body
+    assert dev["num_node_groups"] == "${var.redis_num_node_groups}"
+    assert dev["replicas_per_node_group"] == "${var.redis_replicas_per_node_group}"
+
+
+def test_celery_queue_is_kms_encrypted_with_a_dead_letter_queue():
+    q = MODULES["celery_queue"]
+    tasks = one(q, "resource", "aws_sqs_queue", "tasks").body
+    dlq = one(q, "resource", "aws_sqs_queue", "dead_letter").body
+    for queue in (tasks, dlq):
+        assert queue["kms_master_key_id"] == "${aws_kms_key.queue.arn}"
+    assert "aws_sqs_queue.dead_letter.arn" in tasks["redrive_policy"]
+    assert "maxReceiveCount" in tasks["redrive_policy"]
+    assert "aws_sqs_queue.tasks.arn" in one(q, "resource", "aws_sqs_queue_redrive_allow_policy").body[
+        "redrive_allow_policy"]
+    # The queue outlasts the longest webhook backoff the tasks may hold a message through.
+    default = one(q, "variable", "", "visibility_timeout_s").body["default"]
+    assert tasks["visibility_timeout_seconds"] == "${var.visibility_timeout_s}"
+    assert visibility_timeout_s(WebhookSettings()) <= default <= 43200
+    assert all(k.body.get("enable_key_rotation") is True for k in q if k.type == "aws_kms_key")
+
+
+def test_api_role_may_use_only_the_celery_queue_in_sqs():
+    api = one(MODULES["iam"], "data", "aws_iam_policy_document", "api").body["statement"]
+    sqs = [s for s in api if any(a.startswith("sqs:") for a in s["actions"])]
+    assert len(sqs) == 1 and sqs[0]["resources"] == ["${var.celery_queue_arn}"]
+    assert not any("*" in a for a in sqs[0]["actions"])
+    assert "sqs:CreateQueue" not in sqs[0]["actions"]  # the queue is predefined (FERRY_CELERY_SQS_QUEUE_URL)
+    worker = one(MODULES["iam"], "data", "aws_iam_policy_document", "worker").body["statement"]
+    assert not any(a.startswith("sqs:") for s in worker for a in s["actions"])
 
 
 def test_snapshot_bucket_is_private_versioned_kms_tls_only_and_expires_old_versions():
@@ -158,7 +196,9 @@ def test_worker_touches_only_its_snapshot_prefix_and_api_no_s3():
             else:
                 assert s["resources"] == ["${var.snapshot_bucket_arn}/${var.snapshot_prefix}/*"], action
     api = one(iam, "data", "aws_iam_policy_document", "api").body["statement"]
-    assert [s["effect"] for s in api] == ["Deny"] and api[0]["actions"] == ["s3:*"]
+    denied = [s for s in api if s.get("effect") == "Deny"]
+    assert len(denied) == 1 and denied[0]["actions"] == ["s3:*"] and denied[0]["resources"] == ["*"]
+    assert not any(a.startswith("s3:") for s in api if s.get("effect", "Allow") == "Allow" for a in s["actions"])
     # Both roles are IRSA roles bound to one service account each.
     assume = one(iam, "data", "aws_iam_policy_document", "assume").body
     conditions = {c["variable"]: c["values"] for c in first(assume["statement"])["condition"]}

@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         outcomes.labels("failed" if attempt.outcome == "retry" else attempt.outcome).inc()
         relay.record(message, attempt, attempts)
 
-    app = make_celery(settings, on_final)
+    try:
+        app = make_celery(settings, on_final)
+    except ValueError as exc:  # a broker setting the broker cannot honour
+        log.error("%s", exc)
+        return 2
     relay.app = app
     stop = threading.Event()
     threading.Thread(target=_relay_or_exit, args=(relay, stop), name="webhook-relay", daemon=True).start()

@@ -10,7 +10,13 @@ class WebhookSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "ferry"
-    celery_broker_url: str | None = None  # Celery's broker; default redis_url (a Redis Cluster cannot be one)
+    # Celery's broker, default redis_url: a single Redis (redis://, rediss://) or Amazon SQS (sqs:// for
+    # AWS with the pod's credentials, sqs://host:port for an SQS-compatible endpoint). Kombu cannot use
+    # a Redis Cluster as a broker: with FERRY_REDIS_CLUSTER set this must name something else.
+    celery_broker_url: str | None = None
+    celery_sqs_queue_url: str | None = None  # the provisioned queue (Terraform output): no CreateQueue needed
+    celery_sqs_region: str | None = None  # default: boto3's region chain (AWS_REGION, AWS_DEFAULT_REGION)
+    celery_sqs_queue_name_prefix: str = ""  # kombu creates <prefix><queue> itself when no queue URL is given
     webhook_secret: str | None = None  # "whsec_<base64>"; required to deliver
     webhook_retry_base_s: float = 2.0  # first retry after ~base, then doubling (with jitter)
     webhook_retry_max_s: float = 3600.0  # cap on one backoff

@@ -6,6 +6,7 @@ import logging
 from dataclasses import asdict
 
 from celery import Celery
+from kombu.transport.SQS import CHARS_REPLACE_TABLE
 
 from worker.protocol import Keys
 from worker.webhooks.delivery import WebhookMessage, attempt_delivery, backoff_s
@@ -16,10 +17,54 @@ log = logging.getLogger("ferry.webhooks")
 TASK_NAME = "ferry.webhooks.deliver"
 
 
+SQS_MAX_VISIBILITY_TIMEOUT_S = 43200  # SQS refuses a longer visibility timeout (12 hours)
+
+
+def visibility_timeout_s(settings: WebhookSettings) -> int:
+    """How long the broker keeps a taken task invisible before it hands it out again. A retry waits
+    in the worker as an ETA task, unacknowledged, so this must outlast the longest backoff."""
+    return max(3600, int(2 * settings.webhook_retry_max_s + settings.webhook_timeout_s))
+
+
+def broker_transport_options(settings: WebhookSettings) -> dict:
+    """Kombu's transport options for the broker `FERRY_CELERY_BROKER_URL` names (Redis or SQS)."""
+    broker = settings.celery_broker_url or settings.redis_url
+    keys = Keys(settings.key_prefix)
+    visibility = visibility_timeout_s(settings)
+    if not broker.startswith("sqs://"):
+        return {
+            "global_keyprefix": keys.celery_prefix,
+            "visibility_timeout": visibility,
+            "socket_connect_timeout": 2.0,
+            "socket_timeout": 5.0,
+        }
+    if visibility > SQS_MAX_VISIBILITY_TIMEOUT_S:
+        raise ValueError(
+            f"FERRY_WEBHOOK_RETRY_MAX_S={settings.webhook_retry_max_s} needs a visibility timeout of {visibility} s; "
+            f"SQS allows at most {SQS_MAX_VISIBILITY_TIMEOUT_S} s"
+        )
+    options: dict = {
+        "visibility_timeout": visibility,  # set on queues kombu creates; a provisioned queue brings its own
+        "queue_name_prefix": settings.celery_sqs_queue_name_prefix,
+        "wait_time_seconds": 10,  # long polling: one ReceiveMessage per 10 s on an idle queue
+        "polling_interval": 0,
+        "client-config": {"connect_timeout": 2, "read_timeout": 15, "retries": {"max_attempts": 2}},
+    }
+    if settings.celery_sqs_region:
+        options["region"] = settings.celery_sqs_region
+    if settings.celery_sqs_queue_url:
+        # A predefined queue: kombu neither lists nor creates queues, so the IAM role needs only
+        # send/receive/delete/change-visibility on this one queue. Kombu names it as SQS spells it.
+        sqs_name = (settings.celery_sqs_queue_name_prefix + keys.webhook_queue).translate(CHARS_REPLACE_TABLE)
+        options["predefined_queues"] = {sqs_name: {"url": settings.celery_sqs_queue_url}}
+    return options
+
+
 def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
-    """A Celery app on its broker (`FERRY_CELERY_BROKER_URL`, default the job Redis); on Redis its keys
-    live under `<prefix>:celery:`. A hand-off to a broker that does not answer fails within seconds
-    (the relay retries it) instead of hanging the relay.
+    """A Celery app on its broker (`FERRY_CELERY_BROKER_URL`, default the job Redis): on Redis its keys
+    live under `<prefix>:celery:`; on SQS (`sqs://`) its one queue is `FERRY_CELERY_SQS_QUEUE_URL`.
+    A hand-off to a broker that does not answer fails within seconds (the relay retries it) instead
+    of hanging the relay.
 
     `on_final(message, attempt, attempts)` is called once per message when it is settled
     (delivered, refused, rejected, gone, or out of attempts).
@@ -27,14 +72,7 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     keys = Keys(settings.key_prefix)
     app = Celery("ferry", broker=settings.celery_broker_url or settings.redis_url, set_as_current=False)
     app.conf.update(
-        # A retry waits in the worker as an ETA task; Redis re-delivers an unacked task after the
-        # visibility timeout, so it must outlast the longest backoff.
-        broker_transport_options={
-            "global_keyprefix": keys.celery_prefix,
-            "visibility_timeout": max(3600, int(2 * settings.webhook_retry_max_s + settings.webhook_timeout_s)),
-            "socket_connect_timeout": 2.0,
-            "socket_timeout": 5.0,
-        },
+        broker_transport_options=broker_transport_options(settings),
         task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0},
         broker_connection_retry_on_startup=True,
         task_default_queue=keys.webhook_queue,

@@ -36,7 +36,8 @@ module "redis" {
   vpc_id                     = module.network.vpc_id
   subnet_ids                 = module.network.private_subnet_ids
   allowed_security_group_ids = [module.gpu_pool.cluster_security_group_id]
-  multi_az                   = var.redis_multi_az
+  num_node_groups            = var.redis_num_node_groups
+  replicas_per_node_group    = var.redis_replicas_per_node_group
   tags                       = local.tags
 }
 
@@ -48,13 +49,22 @@ module "snapshots" {
   tags            = local.tags
 }
 
+module "celery_queue" {
+  source     = "../../modules/celery_queue"
+  name       = var.name
+  key_prefix = var.key_prefix
+  tags       = local.tags
+}
+
 module "iam" {
-  source               = "../../modules/iam"
-  name                 = var.name
-  oidc_provider_arn    = module.gpu_pool.oidc_provider_arn
-  oidc_issuer          = module.gpu_pool.oidc_issuer
-  snapshot_bucket_arn  = module.snapshots.bucket_arn
-  snapshot_prefix      = module.snapshots.snapshot_prefix
-  snapshot_kms_key_arn = module.snapshots.kms_key_arn
-  tags                 = local.tags
+  source                   = "../../modules/iam"
+  name                     = var.name
+  oidc_provider_arn        = module.gpu_pool.oidc_provider_arn
+  oidc_issuer              = module.gpu_pool.oidc_issuer
+  snapshot_bucket_arn      = module.snapshots.bucket_arn
+  snapshot_prefix          = module.snapshots.snapshot_prefix
+  snapshot_kms_key_arn     = module.snapshots.kms_key_arn
+  celery_queue_arn         = module.celery_queue.queue_arn
+  celery_queue_kms_key_arn = module.celery_queue.kms_key_arn
+  tags                     = local.tags
 }

@@ -1,6 +1,6 @@
 output "redis_endpoint" {
-  description = "Redis primary endpoint (TLS, port 6379)."
-  value       = module.redis.primary_endpoint
+  description = "Redis Cluster configuration endpoint (TLS, port 6379; FERRY_REDIS_CLUSTER=true)."
+  value       = module.redis.configuration_endpoint
 }
 
 output "redis_auth_secret_arn" {
@@ -9,7 +9,7 @@ output "redis_auth_secret_arn" {
 }
 
 output "redis_url_without_auth" {
-  description = "FERRY_REDIS_URL without the token: insert ':TOKEN@' after rediss://."
+  description = "FERRY_REDIS_URL without the token: insert ':TOKEN@' after rediss://; FERRY_REDIS_CLUSTER=true."
   value       = module.redis.url_without_auth
 }
 
@@ -41,4 +41,14 @@ output "worker_role_arn" {
 output "api_role_arn" {
   description = "IRSA role for the ferry-api service account."
   value       = module.iam.api_role_arn
+}
+
+output "celery_queue_url" {
+  description = "FERRY_CELERY_SQS_QUEUE_URL for the webhook worker (FERRY_CELERY_BROKER_URL=sqs://)."
+  value       = module.celery_queue.queue_url
+}
+
+output "celery_dead_letter_queue_url" {
+  description = "Webhook tasks that no worker could finish."
+  value       = module.celery_queue.dead_letter_queue_url
 }

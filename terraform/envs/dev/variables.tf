@@ -47,10 +47,22 @@ variable "gpu_max_size" {
   default     = 2
 }
 
-variable "redis_multi_az" {
-  description = "Redis replica in a second zone with automatic failover."
-  type        = bool
-  default     = false
+variable "redis_num_node_groups" {
+  description = "Redis Cluster shards (docs/cluster.md sizes them: bench/redis_capacity.py)."
+  type        = number
+  default     = 1
+}
+
+variable "redis_replicas_per_node_group" {
+  description = "Replicas per Redis shard, in other zones (0 keeps an idle dev environment cheap; production: 1 or more)."
+  type        = number
+  default     = 0
+}
+
+variable "key_prefix" {
+  description = "FERRY_KEY_PREFIX of the deployment (infra/k8s sets ferry); names the Celery queue."
+  type        = string
+  default     = "ferry"
 }
 
 variable "owner" {

@@ -1,7 +1,8 @@
 # IRSA roles for the Ferry pods. The worker may read, write and delete objects under its
 # snapshot prefix and nothing else in S3; the API (and the webhook worker, same service
-# account) gets a role whose only policy denies S3 outright, so no policy attached later by
-# mistake can open the bucket to it.
+# account) gets a role that denies S3 outright, so no policy attached later by mistake can
+# open the bucket to it, and that may use the one Celery queue on SQS (the webhook relay
+# sends to it, the webhook worker receives from it).
 
 data "aws_region" "current" {}
 
@@ -76,7 +77,7 @@ resource "aws_iam_role_policy" "worker" {
 
 resource "aws_iam_role" "api" {
   name               = "${var.name}-api"
-  description        = "Ferry API and webhook worker: no S3 access"
+  description        = "Ferry API and webhook worker: the Celery SQS queue, no S3 access"
   assume_role_policy = data.aws_iam_policy_document.assume["api"].json
   tags               = var.tags
 }
@@ -88,10 +89,28 @@ data "aws_iam_policy_document" "api" {
     actions   = ["s3:*"]
     resources = ["*"]
   }
+  statement {
+    sid = "CeleryQueue"
+    actions = [
+      "sqs:SendMessage", "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility",
+      "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+    ]
+    resources = [var.celery_queue_arn]
+  }
+  statement {
+    sid       = "CeleryQueueKey"
+    actions   = ["kms:Decrypt", "kms:GenerateDataKey"]
+    resources = [var.celery_queue_kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["sqs.${data.aws_region.current.name}.amazonaws.com"]
+    }
+  }
 }
 
 resource "aws_iam_role_policy" "api" {
-  name   = "deny-s3"
+  name   = "celery-queue-no-s3"
   role   = aws_iam_role.api.id
   policy = data.aws_iam_policy_document.api.json
 }

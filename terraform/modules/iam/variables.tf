@@ -58,6 +58,20 @@ variable "snapshot_kms_key_arn" {
   type        = string
 }
 
+variable "celery_queue_arn" {
+  description = "ARN of the Celery task queue on SQS (celery_queue output queue_arn)."
+  type        = string
+  validation {
+    condition     = can(regex("^arn:aws[a-z-]*:sqs:[a-z0-9-]+:[0-9]{12}:[A-Za-z0-9_-]+$", var.celery_queue_arn))
+    error_message = "celery_queue_arn must be an SQS queue ARN."
+  }
+}
+
+variable "celery_queue_kms_key_arn" {
+  description = "KMS key of the Celery queue."
+  type        = string
+}
+
 variable "tags" {
   description = "Tags for every resource."
   type        = map(string)

@@ -1,6 +1,8 @@
-# ElastiCache Redis 7: TLS in transit, KMS at rest, an AUTH token kept in Secrets Manager, and
-# optionally a replica in a second zone with automatic failover. The queues, job hashes and
-# token streams live here; AOF-like durability comes from the replica and daily backups.
+# ElastiCache Redis 7 in cluster mode: `num_node_groups` shards (hash slots spread over them), each
+# a primary with `replicas_per_node_group` replicas in other zones and automatic failover; TLS in
+# transit, KMS at rest, an AUTH token kept in Secrets Manager. The queues, job hashes and token
+# streams live here (FERRY_REDIS_CLUSTER=true, FERRY_REDIS_URL = the configuration endpoint);
+# durability comes from the replicas (the API's WAIT) and daily backups.
 
 resource "random_password" "auth" {
   length  = 64
@@ -70,12 +72,14 @@ resource "aws_elasticache_replication_group" "this" {
   description                = "Ferry queues, jobs and token streams (${var.name})"
   engine                     = "redis"
   engine_version             = var.engine_version
-  parameter_group_name       = "default.redis7"
+  parameter_group_name       = "default.redis7.cluster.on"
   node_type                  = var.node_type
   port                       = 6379
-  num_cache_clusters         = var.multi_az ? 2 : 1
-  multi_az_enabled           = var.multi_az
-  automatic_failover_enabled = var.multi_az
+  cluster_mode               = "enabled"
+  num_node_groups            = var.num_node_groups
+  replicas_per_node_group    = var.replicas_per_node_group
+  multi_az_enabled           = var.replicas_per_node_group > 0
+  automatic_failover_enabled = true # required in cluster mode; a shard without a replica has nothing to fail over to
   subnet_group_name          = aws_elasticache_subnet_group.this.name
   security_group_ids         = [aws_security_group.redis.id]
   at_rest_encryption_enabled = true

@@ -1,6 +1,6 @@
-output "primary_endpoint" {
-  description = "Primary endpoint host name (TLS on port 6379)."
-  value       = aws_elasticache_replication_group.this.primary_endpoint_address
+output "configuration_endpoint" {
+  description = "Configuration endpoint host name (TLS on port 6379): any node of the cluster answers it with the slot map."
+  value       = aws_elasticache_replication_group.this.configuration_endpoint_address
 }
 
 output "port" {
@@ -9,8 +9,8 @@ output "port" {
 }
 
 output "url_without_auth" {
-  description = "rediss:// URL without the token; FERRY_REDIS_URL is rediss://:TOKEN@host:6379/0."
-  value       = "rediss://${aws_elasticache_replication_group.this.primary_endpoint_address}:${aws_elasticache_replication_group.this.port}/0"
+  description = "rediss:// URL without the token; FERRY_REDIS_URL is rediss://:TOKEN@host:6379 with FERRY_REDIS_CLUSTER=true."
+  value       = "rediss://${aws_elasticache_replication_group.this.configuration_endpoint_address}:${aws_elasticache_replication_group.this.port}"
 }
 
 output "auth_secret_arn" {

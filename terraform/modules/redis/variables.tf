@@ -46,10 +46,24 @@ variable "engine_version" {
   }
 }
 
-variable "multi_az" {
-  description = "Run a replica in another zone with automatic failover."
-  type        = bool
-  default     = false
+variable "num_node_groups" {
+  description = "Shards of the cluster; each holds a share of the hash slots, so of the queue shards (FERRY_QUEUE_SHARDS). bench/redis_capacity.py sizes it."
+  type        = number
+  default     = 1
+  validation {
+    condition     = var.num_node_groups >= 1 && var.num_node_groups <= 500 && floor(var.num_node_groups) == var.num_node_groups
+    error_message = "num_node_groups must be a whole number from 1 to 500."
+  }
+}
+
+variable "replicas_per_node_group" {
+  description = "Replicas of each shard's primary, in other zones (0-5). With 1 or more, Multi-AZ and failover protect acknowledged jobs (FERRY_REDIS_MIN_REPLICAS)."
+  type        = number
+  default     = 0
+  validation {
+    condition     = var.replicas_per_node_group >= 0 && var.replicas_per_node_group <= 5 && floor(var.replicas_per_node_group) == var.replicas_per_node_group
+    error_message = "replicas_per_node_group must be a whole number from 0 to 5."
+  }
 }
 
 variable "snapshot_retention_days" {
