@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         "perplexity_relative_change": ppl["gguf"] / ppl["none"] - 1,
     }
     print(f"same greedy tokens: {result['same_greedy_tokens']}/{len(PROMPTS)} prompts ({args.tokens} tokens)")
-    print(f"perplexity fp32 {ppl['none']:.4f}, gguf {ppl['gguf']:.4f} ({100 * result['perplexity_relative_change']:+.3f}%)")
+    change = 100 * result["perplexity_relative_change"]
+    print(f"perplexity fp32 {ppl['none']:.4f}, gguf {ppl['gguf']:.4f} ({change:+.3f}%)")
     print(f"wrote {write_result('quantized_parity', result)}")
 
 
