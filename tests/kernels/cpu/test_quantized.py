@@ -231,3 +231,12 @@ def _quantized(weight: torch.Tensor, qtype: str):
         return quantize_int8_weight(weight)
     raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype])
     return pack_quantized_weight(torch.from_numpy(raw), qtype, *weight.shape)
+
+
+def test_the_int16_product_is_built_exactly_where_the_cpu_has_vnni():
+    """-mavx512vnni only where /proc/cpuinfo lists avx512_vnni (and torch runs AVX512 code): the
+    cache entry of a machine without it holds the float32-activation kernel."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split() for line in cpuinfo if line.startswith("flags")), [])
+    expected = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in flags
+    assert cpu_native.load().linear_quantized_int16() == expected
