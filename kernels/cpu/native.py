@@ -50,6 +50,7 @@ _SOURCES = [
         "fused_ops_cpu.cpp",
         "linear_cpu.cpp",
         "quantized_linear_cpu.cpp",
+        "quantized_linear_vnni.cpp",
         "quantized_rows_cpu.cpp",
         "decoder_stack_cpu.cpp",
         "stream_sum_cpu.cpp",
@@ -61,6 +62,24 @@ _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
+
+# AVX512_VNNI (vpdpwssd) runs the quantized product on int16 activations
+# (csrc/quantized_linear_vnni.cpp). torch's level does not say whether a CPU has it, so the kernel
+# reads the CPU's flags, builds with -mavx512vnni only where they list it, and names its cache
+# entry after it: a machine without it builds and loads its own entry, never this one.
+_VNNI_FLAGS = ["-mavx512vnni"]
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return "avx512_vnni" in line.split()
+    except OSError:
+        pass
+    return False
+
 
 _lock = threading.Lock()
 _module = None
@@ -84,7 +103,11 @@ def load():
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
             isa = torch.backends.cpu.get_cpu_capability()
-            name = f"ferry_cpu_kernels_{isa.lower()}"
+            flags = list(_ISA_FLAGS.get(isa, []))
+            vnni = isa == "AVX512" and _cpu_has_vnni()
+            if vnni:
+                flags += _VNNI_FLAGS
+            name = f"ferry_cpu_kernels_{isa.lower()}{'_vnni' if vnni else ''}"
             torch_version = torch.__version__.replace("+", "-")
             # One build directory per checkout: torch rebuilds whenever the source paths differ from
             # the last build's, so two checkouts sharing one directory rebuilt each other's in turn.
@@ -97,7 +120,7 @@ def load():
                     sources=[str(path) for path in _SOURCES],
                     # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled
                     # here; without it every kernel would run on one thread.
-                    extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
+                    extra_cflags=["-O3", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir),
                     verbose=False,

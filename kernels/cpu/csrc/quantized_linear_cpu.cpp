@@ -285,6 +285,14 @@ void block_sums(const float* x, int64_t x_stride, int64_t M, int64_t blocks, flo
 
 namespace ferry {
 
+bool linear_quantized_int16() {
+#ifdef FERRY_QUANTIZED_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool linear_quantized_supported() {
 #ifdef FERRY_QUANTIZED
   return true;
@@ -323,6 +331,9 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t groups = tiles.size(0);
+#ifdef FERRY_QUANTIZED_VNNI
+  ferry::quantized::linear_int16(format, xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
+#else
   switch (format) {
     case Format::kQ8_0:
       product<Format::kQ8_0>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
@@ -334,6 +345,7 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
       product<Format::kQ4_1>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
       break;
   }
+#endif
 #else
   TORCH_CHECK(false, "linear_quantized needs AVX2, FMA and F16C");
 #endif

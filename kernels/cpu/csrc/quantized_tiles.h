@@ -10,6 +10,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FERRY_QUANTIZED 1
 #endif
+// The integer product (quantized_linear_vnni.cpp): int16 activations on vpdpwssd.
+#if defined(FERRY_QUANTIZED) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define FERRY_QUANTIZED_VNNI 1
+#endif
 
 namespace ferry::quantized {
 
@@ -29,5 +34,12 @@ inline Format parse_format(const std::string& qtype) {
   if (qtype == "Q4_1") return Format::kQ4_1;
   TORCH_CHECK(false, "unsupported quantization type ", qtype, " (the native kernels run Q8_0, Q4_0, Q4_1)");
 }
+
+#ifdef FERRY_QUANTIZED_VNNI
+// out = x @ W^T (+ bias) with x rounded per block to int16 (quantized_linear_vnni.cpp);
+// xsum: [M, blocks] float32 block sums of x, or null for Q8_0.
+void linear_int16(Format format, const float* x, int64_t x_stride, int64_t M, const uint8_t* tiles,
+                  int64_t num_groups, int64_t blocks, const float* xsum, const float* bias, float* out, int64_t N);
+#endif
 
 }  // namespace ferry::quantized
