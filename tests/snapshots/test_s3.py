@@ -10,7 +10,7 @@ import pytest
 
 from tests.snapshots.util import generate
 from worker.snapshots import POINTER, list_snapshots, save_snapshot
-from worker.snapshots.store import S3Store, open_store
+from worker.protocol.objectstore import S3Store, open_store
 
 pytestmark = pytest.mark.s3
 

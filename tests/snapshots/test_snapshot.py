@@ -22,7 +22,7 @@ from worker.snapshots import (
     save_snapshot,
     select_blocks,
 )
-from worker.snapshots.store import FileStore, StoreError, open_store
+from worker.protocol.objectstore import FileStore, StoreError, open_store
 
 PROMPT = list(range(7, 47))  # 40 tokens: 10 full blocks of 4
 OTHER = list(range(100, 130))
