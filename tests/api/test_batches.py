@@ -11,8 +11,18 @@ import httpx
 import openai
 import pytest
 
-from tests.api.conftest import KEY_A, KEY_B, MODEL, Proc, api_keys_setting, delete_prefix, free_port, new_prefix, \
-    stack_env, wait_until
+from tests.api.conftest import (
+    KEY_A,
+    KEY_B,
+    MODEL,
+    Proc,
+    api_keys_setting,
+    delete_prefix,
+    free_port,
+    new_prefix,
+    stack_env,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -194,3 +204,56 @@ def test_batches_list_pages_newest_first(client):
     assert seen[:3] == ids[::-1]
     for batch_id in ids:
         wait_final(client, batch_id)
+
+
+def _all_lines_once(client, batch, lines) -> tuple[list[dict], list[dict]]:
+    outputs, errors = read_jsonl(client, batch.output_file_id), read_jsonl(client, batch.error_file_id)
+    ids = [o["custom_id"] for o in outputs + errors]
+    assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each line once, none twice
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(outputs), len(errors))
+    return outputs, errors
+
+
+def test_a_batch_past_its_window_expires_and_keeps_its_finished_lines(tiny_model_factory, tmp_path):
+    stack = BatchStack(tiny_model_factory, tmp_path, FERRY_BATCH_WINDOW_S="3", FERRY_BATCH_BACKLOG="4")
+    try:
+        with stack.client() as client:
+            lines = [chat_line(f"e-{i}", f"Line {i}", max_tokens=100) for i in range(400)]
+            batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            done = wait_final(client, batch.id)
+            assert done.status == "expired" and done.expired_at is not None
+            outputs, errors = _all_lines_once(client, done, lines)
+            assert outputs and all(o["response"]["status_code"] == 200 for o in outputs)
+            assert "batch_expired" in {e["error"]["code"] for e in errors if e["error"]}
+    finally:
+        stack.close()
+
+
+def test_killing_an_api_process_and_a_worker_loses_and_duplicates_no_line(tiny_model_factory, tmp_path):
+    stack = BatchStack(tiny_model_factory, tmp_path, FERRY_BATCH_BACKLOG="64", FERRY_LEASE_S="2",
+                       FERRY_REAPER_INTERVAL_S="0.5")
+    try:
+        stack.procs["worker-2"] = Proc("worker-2", ["worker"], stack.env, stack.logs)
+        with stack.client() as client:
+            lines = [chat_line(f"k-{i}", f"Say {i}", max_tokens=2) for i in range(500)]
+            batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            deadline = time.monotonic() + 120
+            while client.batches.retrieve(batch.id).request_counts.completed < 50:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            stack.procs["worker"].popen.kill()  # kill -9: its running jobs are reclaimed by worker-2
+            stack.procs["api"].popen.kill()  # the only API process: the batch's driver, mid-run
+        port = free_port()
+        stack.procs["api-2"] = stack.start_api("api-2", port)  # takes the lease over once it lapses
+        stack.url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(stack.url + "/readyz").status_code == 200, 120, "api-2", [stack.procs["api-2"]])
+        with stack.client() as client:
+            done = wait_final(client, batch.id)
+            assert done.status == "completed"
+            assert done.request_counts.total == 500
+            outputs, errors = _all_lines_once(client, done, lines)
+            assert len(outputs) == 500 and not errors
+    finally:
+        stack.close()

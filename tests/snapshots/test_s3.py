@@ -9,8 +9,8 @@ import boto3
 import pytest
 
 from tests.snapshots.util import generate
-from worker.snapshots import POINTER, list_snapshots, save_snapshot
 from worker.protocol.objectstore import S3Store, open_store
+from worker.snapshots import POINTER, list_snapshots, save_snapshot
 
 pytestmark = pytest.mark.s3
 

@@ -7,8 +7,8 @@ import logging
 import time
 
 from worker.engine import Engine
-from worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
 from worker.protocol.objectstore import open_store
+from worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
 
 log = logging.getLogger("ferry.worker.snapshots")
 

@@ -10,13 +10,13 @@ engine is used only through `Engine.prefix_blocks` (`worker.engine.prefix_io`).
 - `save` / `restore`; `stats`: counters and their Prometheus export; `cli`: `ferry snapshot`.
 """
 
+from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 from worker.snapshots.fingerprint import fingerprint
 from worker.snapshots.format import POINTER, Manifest, RestoreResult, SnapshotError, SnapshotInfo
 from worker.snapshots.policy import select_blocks
 from worker.snapshots.restore import load_snapshot, read_manifest, restore_snapshot
 from worker.snapshots.save import list_snapshots, save_snapshot
 from worker.snapshots.stats import SnapshotCollector, SnapshotStats
-from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 
 __all__ = [
     "POINTER",

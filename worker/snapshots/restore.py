@@ -19,12 +19,12 @@ from tqdm import tqdm
 
 from worker.engine import Engine
 from worker.engine.kv_cache import CachedBlock
+from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 from worker.snapshots.fingerprint import fingerprint
 from worker.snapshots.format import FORMAT_VERSION, POINTER, Manifest, RestoreResult, SnapshotError
 from worker.snapshots.policy import keys_digest, plan_import
 from worker.snapshots.save import sha256_file
 from worker.snapshots.stats import SnapshotStats
-from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
 

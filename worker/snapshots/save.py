@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from worker.engine import Engine
 from worker.engine.kv_cache import CachedBlock
+from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 from worker.snapshots.fingerprint import fingerprint
 from worker.snapshots.format import (
     FORMAT_VERSION,
@@ -31,7 +32,6 @@ from worker.snapshots.format import (
 )
 from worker.snapshots.policy import keys_digest, select_blocks
 from worker.snapshots.stats import SnapshotStats
-from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
