@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -40,6 +41,7 @@ from api.batches import (
     MAX_REPORTED_ERRORS,
     STATUS_TIMES,
     LineError,
+    batch_json,
     output_line,
     parse_line,
     read_lines,
@@ -177,7 +179,9 @@ class BatchDriver:
         if total == 0:
             errors.append(LineError("empty_file", "the input file has no request lines").to_json(1))
         if errors:
-            await self._set_status(batch_id, "failed", errors=json.dumps(errors), total=total)
+            fields = {"errors": json.dumps(errors), "total": total}
+            await self._announce(batch_id, raw, "failed", fields)
+            await self._set_status(batch_id, "failed", **fields)
             await self.redis.srem(self.keys.active_batches, batch_id)
         else:
             await self._set_status(batch_id, "in_progress", total=total, last_line=last, cursor=0)
@@ -304,10 +308,24 @@ class BatchDriver:
         outcome = raw.get("outcome", "completed")
         if raw.get("cancel_requested"):
             outcome = "cancelled"
+        await self._announce(batch_id, raw, outcome, file_ids)
         await self._set_status(batch_id, outcome, **file_ids)
         await self.redis.srem(self.keys.active_batches, batch_id)
         leftovers = await anyio.to_thread.run_sync(self.store.list, f"batches/{batch_id}/")
         await anyio.to_thread.run_sync(self.store.delete, leftovers)
+
+    async def _announce(self, batch_id: str, raw: dict, status: str, fields: dict) -> None:
+        """Put the `batch.<status>` webhook in the outbox (before the status is written: a driver
+        killed in between announces again under the same webhook id, never not at all)."""
+        if not raw.get("webhook_url"):
+            return
+        now = time.time()
+        final = {**raw, **{k: str(v) for k, v in fields.items()}, "status": status, STATUS_TIMES[status]: str(now)}
+        event = f"batch.{status}"
+        stamp = datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
+        body = json.dumps({"type": event, "timestamp": stamp, "data": batch_json(final)}, separators=(",", ":"))
+        await self.redis.xadd(self.keys.webhook_outbox, {"webhook_id": f"msg_{batch_id}_{status}", "job_id": batch_id,
+                                                         "event": event, "url": raw["webhook_url"], "body": body})
 
     async def _concatenate(self, tenant: str, file_id: str, filename: str, names: list[str]) -> None:
         directory = Path(self.settings.upload_dir)

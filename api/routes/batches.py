@@ -18,7 +18,7 @@ from api.batches import BATCH_ID_PATTERN, ENDPOINTS, WINDOW_S, batch_json, new_b
 from api.errors import ApiError, not_found
 from api.files import get_record
 from api.schemas import error_responses
-from api.services import Services, services
+from api.services import Services, check_webhook_url, services
 from worker.protocol import lua
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -28,6 +28,12 @@ Tenant = Annotated[str, Depends(tenant)]
 BatchId = Annotated[str, Path(pattern=BATCH_ID_PATTERN)]
 
 
+class BatchWebhook(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    url: str = Field(pattern=r"^https?://")
+
+
 class BatchCreate(BaseModel):
     model_config = {"extra": "forbid"}
 
@@ -35,6 +41,7 @@ class BatchCreate(BaseModel):
     endpoint: Literal[ENDPOINTS]  # type: ignore[valid-type]
     completion_window: Literal["24h"]
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    webhook: BatchWebhook | None = None  # Ferry's: where batch.completed/failed/expired/cancelled are sent
 
 
 async def _batch(svc: Services, batch_id: str, tenant_name: str) -> dict:
@@ -54,6 +61,8 @@ async def create(body: BatchCreate, svc: Svc, tenant_name: Tenant) -> dict[str, 
     if input_file.purpose != "batch":
         raise ApiError(422, "invalid_request", "input_file_id: the file's purpose is not 'batch'",
                        field="input_file_id")
+    if body.webhook is not None:
+        await check_webhook_url(svc, body.webhook.url)
     now = time.time()
     window = svc.settings.batch_window_s or WINDOW_S[body.completion_window]
     batch_id = new_batch_id()
@@ -61,6 +70,8 @@ async def create(body: BatchCreate, svc: Svc, tenant_name: Tenant) -> dict[str, 
            "input_file_id": body.input_file_id, "completion_window": body.completion_window,
            "created_at": str(now), "expires_at": str(now + window), "metadata": json.dumps(body.metadata),
            "total": "0", "completed": "0", "failed": "0"}
+    if body.webhook is not None:
+        raw["webhook_url"] = body.webhook.url
     await svc.redis.hset(svc.keys.batch(batch_id), mapping=raw)
     await svc.redis.zadd(svc.keys.tenant_batches(tenant_name), {batch_id: now})
     await svc.redis.sadd(svc.keys.active_batches, batch_id)

@@ -23,6 +23,8 @@ from tests.api.conftest import (
     stack_env,
     wait_until,
 )
+from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)
+from worker.webhooks.signing import new_secret, verify
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -30,16 +32,19 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 class BatchStack:
-    def __init__(self, tiny_model_factory, tmp_path, **extra: str) -> None:
+    def __init__(self, tiny_model_factory, tmp_path, webhooks: bool = False, **extra: str) -> None:
         self.prefix = new_prefix()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = stack_env(self.prefix, tiny_model_factory("llama"), FERRY_API_KEYS=api_keys_setting(),
                              FERRY_FILES_URL=(tmp_path / "files").as_uri(), FERRY_UPLOAD_DIR=str(tmp_path / "up"),
-                             FERRY_BATCH_POLL_S="0.05", FERRY_BATCH_LEASE_S="2", **extra)
+                             FERRY_BATCH_POLL_S="0.05", FERRY_BATCH_LEASE_S="2", FERRY_WEBHOOK_SECRET=new_secret(),
+                             FERRY_WEBHOOK_ALLOW_PRIVATE="1", **extra)
         self.logs = tmp_path
         self.procs = {"worker": Proc("worker", ["worker"], self.env, tmp_path),
                       "api": self.start_api("api", self.port)}
+        if webhooks:
+            self.procs["webhooks"] = Proc("webhooks", ["webhooks", "--loglevel", "WARNING"], self.env, tmp_path)
         wait_until(lambda: httpx.get(self.url + "/readyz").status_code == 200, 120, "the stack", self.procs.values())
 
     def start_api(self, name: str, port: int) -> Proc:
@@ -56,7 +61,7 @@ class BatchStack:
 
 @pytest.fixture(scope="module")
 def bstack(tiny_model_factory, tmp_path_factory):
-    stack = BatchStack(tiny_model_factory, tmp_path_factory.mktemp("batch"))
+    stack = BatchStack(tiny_model_factory, tmp_path_factory.mktemp("batch"), webhooks=True)
     yield stack
     stack.close()
 
@@ -257,3 +262,20 @@ def test_killing_an_api_process_and_a_worker_loses_and_duplicates_no_line(tiny_m
             assert len(outputs) == 500 and not errors
     finally:
         stack.close()
+
+
+def test_finished_batches_send_signed_webhooks(bstack, client, receiver):  # noqa: F811 (the fixture)
+    good = client.batches.create(input_file_id=upload(client, [chat_line("w", "hi")]).id,
+                                 endpoint="/v1/chat/completions", completion_window="24h",
+                                 extra_body={"webhook": {"url": receiver.base + "/done"}})
+    bad = client.batches.create(input_file_id=upload(client, [b"[]"]).id, endpoint="/v1/chat/completions",
+                                completion_window="24h", extra_body={"webhook": {"url": receiver.base + "/bad"}})
+    wait_final(client, good.id)
+    wait_final(client, bad.id)
+    for path, event, batch_id in (("/done", "batch.completed", good.id), ("/bad", "batch.failed", bad.id)):
+        (got,) = receiver.wait_for(1, path=path)
+        verify(bstack.env["FERRY_WEBHOOK_SECRET"], got.headers, got.body)
+        payload = got.json()
+        assert payload["type"] == event and payload["data"]["id"] == batch_id
+        assert payload["data"]["status"] == event.removeprefix("batch.")
+        assert got.headers["webhook-id"] == f"msg_{batch_id}_{event.removeprefix('batch.')}"

@@ -86,6 +86,12 @@ class Keys:
         return f"{self.prefix}:webhooks:deliveries:{job_id}"
 
     @property
+    def webhook_outbox(self) -> str:
+        """Stream: finished webhook messages (`webhook_id`, `job_id`, `event`, `url`, `body`) the relay
+        hands to Celery as they are; the Batch API's `batch.*` events come this way."""
+        return f"{self.prefix}:webhooks:outbox"
+
+    @property
     def celery_prefix(self) -> str:
         return f"{self.prefix}:celery:"
 
