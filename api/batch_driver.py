@@ -55,6 +55,7 @@ from worker.protocol.objectstore import ObjectStore
 log = logging.getLogger("ferry.api.batches")
 
 _RENEW_EVERY_LINES = 512  # validation renews the lease this often (a large file takes a while)
+_BUSY_PAUSE_S = 0.01  # between two ticks that both moved lines
 
 
 class Fenced(Exception):
@@ -102,23 +103,29 @@ class BatchDriver:
 
     async def _run(self) -> None:
         while True:
+            busy = False
             try:
-                await self.tick()
+                busy = await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis or the store away: try again next tick, drive nothing meanwhile
                 log.warning("batch driver tick failed", exc_info=True)
-            await asyncio.sleep(self.settings.batch_poll_s)
+            # A tick that moved lines is followed at once by the next (a fast model drains a
+            # backlog between two polls); an idle one waits the poll interval.
+            await asyncio.sleep(_BUSY_PAUSE_S if busy else self.settings.batch_poll_s)
 
-    async def tick(self) -> None:
+    async def tick(self) -> bool:
+        """Advance every batch this process holds the lease of; True when some line moved."""
+        busy = False
         for batch_id in sorted(await self.redis.smembers(self.keys.active_batches)):
             if not await self._hold(batch_id):
                 self.readers.pop(batch_id, None)
                 continue
             try:
-                await self._advance(batch_id)
+                busy |= await self._advance(batch_id)
             except Fenced:
                 self.readers.pop(batch_id, None)
+        return busy
 
     # --- lease and fenced writes -------------------------------------------------------------------
 
@@ -145,17 +152,19 @@ class BatchDriver:
 
     # --- the state machine -------------------------------------------------------------------------
 
-    async def _advance(self, batch_id: str) -> None:
+    async def _advance(self, batch_id: str) -> bool:
         raw = await self.redis.hgetall(self.keys.batch(batch_id))
         status = raw.get("status")
         if not raw or status in FINAL:
             await self.redis.srem(self.keys.active_batches, batch_id)
-        elif status == "validating":
+            return False
+        if status == "validating":
             await self._validate(batch_id, raw)
         elif status == "finalizing":
             await self._finalize(batch_id, raw)
         else:
-            await self._run_lines(batch_id, raw)
+            return await self._run_lines(batch_id, raw)
+        return True
 
     async def _validate(self, batch_id: str, raw: dict) -> None:
         input_file = await get_record(self.redis, self.keys, raw["input_file_id"], raw["tenant"])
@@ -186,12 +195,13 @@ class BatchDriver:
         else:
             await self._set_status(batch_id, "in_progress", total=total, last_line=last, cursor=0)
 
-    async def _run_lines(self, batch_id: str, raw: dict) -> None:
+    async def _run_lines(self, batch_id: str, raw: dict) -> bool:
         ending = "cancelled" if raw.get("cancel_requested") else (
             "expired" if time.time() >= float(raw["expires_at"]) else None)
         inflight = {int(n): json.loads(v) for n, v in (await self.redis.hgetall(self.keys.batch_inflight(batch_id))
                                                        ).items()}
         cursor, last = int(raw["cursor"]), int(raw["last_line"])
+        enqueued_before = cursor
         if ending is None and cursor < last and len(inflight) < self.settings.batch_backlog:
             cursor = await self._enqueue(batch_id, raw, inflight, cursor)
         finished = await self._finished(inflight, cancel=ending is not None)
@@ -213,6 +223,7 @@ class BatchDriver:
         if done:
             self.readers.pop(batch_id, None)
             await self._set_status(batch_id, "finalizing", outcome=ending or "completed")
+        return done or bool(finished) or cursor != enqueued_before
 
     async def _enqueue(self, batch_id: str, raw: dict, inflight: dict, cursor: int) -> int:
         reader = self.readers.get(batch_id)
