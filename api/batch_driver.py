@@ -200,7 +200,8 @@ class BatchDriver:
             "expired" if time.time() >= float(raw["expires_at"]) else None)
         inflight = {int(n): json.loads(v) for n, v in (await self.redis.hgetall(self.keys.batch_inflight(batch_id))
                                                        ).items()}
-        cursor, last = int(raw["cursor"]), int(raw["last_line"])
+        # No cursor yet: cancelled before its validation began (nothing to run, nothing to write).
+        cursor, last = int(raw.get("cursor", 0)), int(raw.get("last_line", 0))
         enqueued_before = cursor
         if ending is None and cursor < last and len(inflight) < self.settings.batch_backlog:
             cursor = await self._enqueue(batch_id, raw, inflight, cursor)

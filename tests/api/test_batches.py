@@ -183,6 +183,17 @@ def test_cancel_mid_run_keeps_the_finished_lines(client):
         client.batches.cancel(batch.id)
 
 
+def test_a_batch_cancelled_at_once_ends_cancelled(client):
+    lines = [chat_line(f"q-{i}", f"Line {i}") for i in range(50)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    client.batches.cancel(batch.id)
+    done = wait_final(client, batch.id)
+    assert done.status == "cancelled"
+    outputs, errors = read_jsonl(client, done.output_file_id), read_jsonl(client, done.error_file_id)
+    assert len({o["custom_id"] for o in outputs + errors}) == len(outputs + errors) <= 50
+
+
 def test_another_tenants_files_and_batches_are_404(bstack, client):
     file = upload(client, [chat_line("x", "hi")])
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
