@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     idle, loaded = percentiles(raw["ttft_idle_ms"]), percentiles(raw["ttft_with_batch_ms"])
     result = {
         "model": str(model), "lines": args.lines, "max_tokens": args.max_tokens, "live": args.live,
-        "load": os.getloadavg(), **raw,
+        "load": os.getloadavg(), "batch_backlog": os.environ.get("FERRY_BATCH_BACKLOG", "default"), **raw,
         "batch_over_jobs": round(raw["batch_wall_s"] / raw["jobs_wall_s"], 3),
         "ttft_idle": idle, "ttft_with_batch": loaded,
         "ttft_p50_ratio": round(loaded["p50"] / idle["p50"], 3) if loaded["p50"] else None,
