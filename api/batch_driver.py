@@ -47,6 +47,7 @@ from api.batches import (
     read_lines,
     unanswered_line,
 )
+from api.errors import ApiError
 from api.files import Upload, get_record, store_upload
 from api.services import Services
 from worker.protocol import JobRecord, UnreadableRecord, cancel_job_async, enqueue_job_async, lua
@@ -125,7 +126,18 @@ class BatchDriver:
                 busy |= await self._advance(batch_id)
             except Fenced:
                 self.readers.pop(batch_id, None)
+            except ApiError as exc:  # the input file was deleted under the batch: nothing more can run
+                self.readers.pop(batch_id, None)
+                await self._fail(batch_id, exc)
         return busy
+
+    async def _fail(self, batch_id: str, exc: ApiError) -> None:
+        raw = await self.redis.hgetall(self.keys.batch(batch_id))
+        fields = {"errors": json.dumps([{"code": exc.code, "message": exc.message, "param": "input_file_id",
+                                         "line": None}])}
+        await self._announce(batch_id, raw, "failed", fields)
+        await self._set_status(batch_id, "failed", **fields)
+        await self.redis.srem(self.keys.active_batches, batch_id)
 
     # --- lease and fenced writes -------------------------------------------------------------------
 
