@@ -131,12 +131,14 @@ class BodyLimitMiddleware:
     chunked upload without Content-Length is limited as well as one that declares its size.
     """
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, streamed: frozenset[tuple[str, str]] = frozenset()):
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed = streamed  # (method, path) whose handler reads the body as a stream and limits it
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") or (
+                (scope["method"], scope["path"]) in self.streamed):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:

@@ -14,12 +14,14 @@ import redis.asyncio as aredis
 from fastapi import FastAPI
 
 from api.auth import KeyRing
+from api.batch_driver import BatchDriver
 from api.errors import BodyLimitMiddleware, install_error_handlers
-from api.routes import health, jobs, openai
+from api.routes import batches, files, health, jobs, openai
 from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
 from worker.protocol import Keys
+from worker.protocol.objectstore import open_store
 
 log = logging.getLogger("ferry.api")
 
@@ -78,10 +80,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             metrics=ApiMetrics(lambda: hub.num_followers),
             configured_models=configured,
         )
+        app.state.files_store = open_store(settings.files_url)
+        driver = BatchDriver(app.state.services, app.state.files_store)
+        driver.start()
         keyring.announce()
         try:
             yield
         finally:
+            await driver.close()
             await hub.close()
             await client.aclose()
 
@@ -93,10 +99,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     )
     app.state.keyring = keyring
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    uploads = frozenset({("POST", "/v1/files")})  # limited by max_file_bytes as they stream in
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, streamed=uploads)
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(health.router)
     return app
 

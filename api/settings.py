@@ -35,3 +35,11 @@ class ApiSettings(BaseSettings):
     webhook_allow_private: bool = False  # webhook URLs on private/loopback addresses (the webhook worker's setting too)
     shutdown_grace_s: float = 10.0  # after SIGTERM: how long open streams may go on before they are closed
     log_level: str = "INFO"
+    # --- Batch API ---
+    files_url: str = "ferry-files"  # where files live: file:///dir, a local path, or s3://bucket/prefix
+    upload_dir: str = "/tmp/ferry-uploads"  # uploads are spooled here while they stream in
+    max_file_bytes: int = 200 << 20  # largest upload (413 above)
+    batch_backlog: int = 256  # lines of one batch queued or running at once (the rest wait in the file)
+    batch_poll_s: float = 0.25  # how often the batch driver looks at its batches' jobs
+    batch_lease_s: float = 10.0  # a batch whose driver stops renewing for this long is taken over
+    batch_window_s: float | None = None  # test-only: overrides every batch's 24 h completion window

@@ -193,6 +193,21 @@ def plot_queue(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "queue.png")]
 
 
+def plot_batch(data: dict, out_dir: Path) -> list[Path]:
+    """A batch against the same requests as individual jobs, and live TTFT with and without it (bench.batch)."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    bars = axes[0].bar(["individual jobs", "one batch"], [data["jobs_wall_s"], data["batch_wall_s"]],
+                       color=["tab:gray", "tab:green"])
+    axes[0].bar_label(bars, fmt="%.1f")
+    axes[0].set_ylabel(f"wall s for {data['lines']} requests")
+    bars = axes[1].bar(["no batch", "batch running"], [data["ttft_idle"]["p50"], data["ttft_with_batch"]["p50"] or 0],
+                       color=["tab:gray", "tab:orange"])
+    axes[1].bar_label(bars, fmt="%.0f")
+    axes[1].set_ylabel("live TTFT p50, ms")
+    fig.suptitle(f"Batch API, {data['max_tokens']} tokens per line")
+    return [_save(fig, out_dir / "batch.png")]
+
+
 def plot_specdec(data: dict, out_dir: Path) -> list[Path]:
     """Speculative decoding's speedup over no speculation, per workload, batch and proposer."""
     cases = [(f"{workload}\n{batch.replace('batch', 'batch ')}", systems)
@@ -298,7 +313,8 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
 
     drawers = {
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
-        "linear_cpu": plot_linear_cpu, "quantized": plot_quantized, "redis_capacity": plot_redis_capacity,
+        "batch": plot_batch, "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
+        "redis_capacity": plot_redis_capacity,
     }
     paths = []
     for suite, data in results.items():

@@ -26,7 +26,7 @@ ALLOWED = {
     "worker.models": {"kernels"},
     "worker.engine": {"worker.models", "kernels", "worker.protocol.sampling"},
     "worker.protocol": set(),
-    "worker.snapshots": {"worker.engine", "worker.models"},
+    "worker.snapshots": {"worker.engine", "worker.models", "worker.protocol.objectstore"},
     "worker.serve": {"worker.engine", "worker.snapshots", "worker.protocol", "worker.models"},
     "worker.webhooks": {"worker.protocol"},
     "api": {"worker.protocol"},

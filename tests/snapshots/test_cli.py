@@ -45,4 +45,4 @@ def test_errors_are_one_line_and_an_exit_code(llama_dir, tmp_path, capsys):
     assert "latest.json not found" in capsys.readouterr().err
     assert ferry(["snapshot", "load", url, "--model", str(llama_dir), "--max-model-len", "128"]) == 1
     assert ferry(["snapshot", "inspect", "ftp://nowhere/x"]) == 2
-    assert "unsupported snapshot URL" in capsys.readouterr().err
+    assert "unsupported store URL" in capsys.readouterr().err

@@ -9,8 +9,8 @@ import boto3
 import pytest
 
 from tests.snapshots.util import generate
+from worker.protocol.objectstore import FileStore, S3Store, StoreError, open_store
 from worker.snapshots import POINTER, list_snapshots, save_snapshot
-from worker.snapshots.store import S3Store, open_store
 
 pytestmark = pytest.mark.s3
 
@@ -74,3 +74,17 @@ def test_missing_and_corrupt_on_s3_start_cold(make_engine, restored_engine, s3_b
 def test_missing_bucket_starts_cold(make_engine, restored_engine, s3_bucket):
     engine, engine_stats = restored_engine(f"s3://{s3_bucket}-absent/x")
     assert engine_stats.restores == {"unreachable": 1}
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_read_chunks_streams_an_object_without_reading_it_whole(kind, request, tmp_path):
+    store = FileStore(tmp_path / "store") if kind == "file" else S3Store(request.getfixturevalue("s3_bucket"), "c")
+    data = os.urandom((17 << 20) + 5)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    store.upload("files/blob.jsonl", src)
+    chunks = list(store.read_chunks("files/blob.jsonl"))
+    assert b"".join(chunks) == data
+    assert len(chunks) >= 3 and max(len(c) for c in chunks) <= 8 << 20
+    with pytest.raises(StoreError):
+        list(store.read_chunks("files/missing.jsonl"))

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.snapshots.util import BS, free_port, generate
 from worker.engine.kv_cache import ROOT_KEY, CachedBlock
+from worker.protocol.objectstore import FileStore, StoreError, open_store
 from worker.snapshots import (
     POINTER,
     SnapshotCollector,
@@ -22,7 +23,6 @@ from worker.snapshots import (
     save_snapshot,
     select_blocks,
 )
-from worker.snapshots.store import FileStore, StoreError, open_store
 
 PROMPT = list(range(7, 47))  # 40 tokens: 10 full blocks of 4
 OTHER = list(range(100, 130))

@@ -386,10 +386,15 @@ class JobRecord(BaseModel):
     timings: Timings | None = None
     error_code: str | None = None
     error_message: str | None = None
+    batch_id: str | None = None  # the Batch API batch the job is a line of
+    custom_id: str | None = None  # that line's custom_id
 
     @classmethod
-    def new(cls, job_id: str, request: JobRequest) -> JobRecord:
+    def new(cls, job_id: str, request: JobRequest, batch_id: str | None = None,
+            custom_id: str | None = None) -> JobRecord:
         return cls(
+            batch_id=batch_id,
+            custom_id=custom_id,
             id=job_id,
             state=JobState.queued,
             model=request.model,

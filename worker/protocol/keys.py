@@ -86,12 +86,60 @@ class Keys:
         return f"{self.prefix}:webhooks:deliveries:{job_id}"
 
     @property
+    def webhook_outbox(self) -> str:
+        """Stream: finished webhook messages (`webhook_id`, `job_id`, `event`, `url`, `body`) the relay
+        hands to Celery as they are; the Batch API's `batch.*` events come this way."""
+        return f"{self.prefix}:webhooks:outbox"
+
+    @property
     def celery_prefix(self) -> str:
         return f"{self.prefix}:celery:"
 
     @property
     def webhook_queue(self) -> str:
         return f"{self.prefix}:webhooks"
+
+    # --- Batch API (files, batches) -----------------------------------------------------------------
+    # Every key of one file or one batch carries the id as a hash tag (`{id}`): in Redis Cluster
+    # they share a slot, so each script of the batch driver touches one slot and never a job key.
+
+    def file(self, file_id: str) -> str:
+        """Hash: one stored file's record (tenant, bytes, filename, purpose, created_at, object)."""
+        return f"{self.prefix}:file:{{{file_id}}}"
+
+    def tenant_files(self, tenant: str) -> str:
+        """Sorted set: the tenant's file ids, scored by creation time (GET /v1/files)."""
+        return f"{self.prefix}:files:{{{tenant_tag(tenant)}}}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's state, request counts, cursor and committed output parts."""
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String, PX: the token of the API process driving the batch; every write checks it."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:lease"
+
+    def batch_inflight(self, batch_id: str) -> str:
+        """Hash: line number -> `job_id custom_id` of the batch's lines enqueued and not yet written out."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:inflight"
+
+    def batch_parts(self, batch_id: str) -> str:
+        """Hash: part number -> the object names of that part's output and error lines."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:parts"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """Sorted set: the tenant's batch ids, scored by creation time (GET /v1/batches)."""
+        return f"{self.prefix}:batches:{{{tenant_tag(tenant)}}}"
+
+    @property
+    def active_batches(self) -> str:
+        """Set: ids of batches not yet in a final state; every API process's driver scans it."""
+        return f"{self.prefix}:batches:active"
+
+
+def tenant_tag(name: str) -> str:
+    """A hash tag for a free-form name (a tenant), without braces or colons in it."""
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 def watch_value(last_id: str, registered_at: float) -> str:

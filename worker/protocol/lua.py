@@ -179,6 +179,40 @@ end
 return 1
 """
 
+# A batch driver's write, fenced by its lease (the Batch API). KEYS: the batch's lease, then the
+# keys the writes name (all of one batch: one hash slot). ARGV[1]: the driver's lease token;
+# ARGV[2]: JSON list of writes `[command, key index (1 = KEYS[2]), args...]` with commands
+# HSET, HDEL, HINCRBY, SREM. Nothing is written unless the lease is still the caller's: a driver
+# that stalled past its lease cannot overwrite the new driver's work. Returns 1, or 0 when fenced off.
+BATCH_FENCED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local allowed = {HSET = true, HDEL = true, HINCRBY = true}
+for _, w in ipairs(cjson.decode(ARGV[2])) do
+  local command = table.remove(w, 1)
+  local key = KEYS[1 + table.remove(w, 1)]
+  if not allowed[command] then return redis.error_reply('BATCH_FENCED: ' .. command .. ' not allowed') end
+  if #w > 0 then redis.call(command, key, unpack(w)) end
+end
+return 1
+"""
+
+# Renew a batch lease if it is still the caller's. KEYS: lease. ARGV: token, lease ms. Returns 1 or 0.
+BATCH_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Ask a batch to cancel (the API). KEYS: batch hash. ARGV: now. A batch still validating or in
+# progress becomes `cancelling`, and its driver cancels its jobs; returns the status it had.
+BATCH_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'validating' or status == 'in_progress' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1], 'cancel_requested', '1')
+end
+return status
+"""
+
 
 def add(pipe, script: Script, keys: list[str], args: list) -> None:
     """Queue `script` on `pipe` as a bare EVALSHA."""

@@ -7,8 +7,8 @@ import logging
 import time
 
 from worker.engine import Engine
+from worker.protocol.objectstore import open_store
 from worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
-from worker.snapshots.store import open_store
 
 log = logging.getLogger("ferry.worker.snapshots")
 

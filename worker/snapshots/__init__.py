@@ -5,18 +5,18 @@ dtype, block size, KV layout, model salt); block keys are the prefix cache's sta
 chain, so restored blocks are hit by exactly the requests that would have computed them. The
 engine is used only through `Engine.prefix_blocks` (`worker.engine.prefix_io`).
 
-- `format`: shards, manifest, pointer; `store`: `file://` and `s3://` stores;
+- `format`: shards, manifest, pointer (kept in a `worker.protocol.objectstore` store, `file://` or `s3://`);
 - `policy`: which blocks to keep and to take back; `fingerprint`;
 - `save` / `restore`; `stats`: counters and their Prometheus export; `cli`: `ferry snapshot`.
 """
 
+from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 from worker.snapshots.fingerprint import fingerprint
 from worker.snapshots.format import POINTER, Manifest, RestoreResult, SnapshotError, SnapshotInfo
 from worker.snapshots.policy import select_blocks
 from worker.snapshots.restore import load_snapshot, read_manifest, restore_snapshot
 from worker.snapshots.save import list_snapshots, save_snapshot
 from worker.snapshots.stats import SnapshotCollector, SnapshotStats
-from worker.snapshots.store import SnapshotStore, StoreError, open_store
 
 __all__ = [
     "POINTER",
@@ -26,7 +26,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotInfo",
     "SnapshotStats",
-    "SnapshotStore",
+    "ObjectStore",
     "StoreError",
     "fingerprint",
     "list_snapshots",

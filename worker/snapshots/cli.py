@@ -120,8 +120,8 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from worker.protocol.objectstore import StoreError, open_store
     from worker.snapshots import list_snapshots, read_manifest
-    from worker.snapshots.store import StoreError, open_store
 
     store = open_store(args.url)
     key, manifest = read_manifest(store)

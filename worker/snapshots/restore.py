@@ -19,17 +19,17 @@ from tqdm import tqdm
 
 from worker.engine import Engine
 from worker.engine.kv_cache import CachedBlock
+from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 from worker.snapshots.fingerprint import fingerprint
 from worker.snapshots.format import FORMAT_VERSION, POINTER, Manifest, RestoreResult, SnapshotError
 from worker.snapshots.policy import keys_digest, plan_import
 from worker.snapshots.save import sha256_file
 from worker.snapshots.stats import SnapshotStats
-from worker.snapshots.store import SnapshotStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
 
-def read_manifest(store: SnapshotStore) -> tuple[str, Manifest]:
+def read_manifest(store: ObjectStore) -> tuple[str, Manifest]:
     """(snapshot dir, manifest) that `latest.json` points to, checked against the pointer's sha256."""
     try:
         pointer_data = store.read_bytes(POINTER)
@@ -56,7 +56,7 @@ def read_manifest(store: SnapshotStore) -> tuple[str, Manifest]:
         raise SnapshotError("corrupt", f"manifest of {store.url}/{key} is malformed: {exc}") from exc
 
 
-def load_snapshot(engine: Engine, url: str | SnapshotStore, progress: bool = False) -> RestoreResult:
+def load_snapshot(engine: Engine, url: str | ObjectStore, progress: bool = False) -> RestoreResult:
     """Import the latest snapshot at `url` into the engine's prefix cache as cached free blocks.
 
     Everything is checked before the engine is touched: pointer, manifest sha256, format,
@@ -87,7 +87,7 @@ def load_snapshot(engine: Engine, url: str | SnapshotStore, progress: bool = Fal
 
 
 def _fetch_shards(
-    engine: Engine, store: SnapshotStore, key: str, manifest: Manifest, progress: bool
+    engine: Engine, store: ObjectStore, key: str, manifest: Manifest, progress: bool
 ) -> list[torch.Tensor]:
     """Download, verify and load every shard: [layers, 2, n, kv heads, block size, head dim] each."""
     layout = engine.prefix_blocks.layout
@@ -142,7 +142,7 @@ def _import_blocks(engine: Engine, manifest: Manifest, tensors: list[torch.Tenso
 
 
 def restore_snapshot(
-    engine: Engine, url: str | SnapshotStore, stats: SnapshotStats | None = None
+    engine: Engine, url: str | ObjectStore, stats: SnapshotStats | None = None
 ) -> RestoreResult | None:
     """`load_snapshot` for start-up: on any failure log one warning, count it in `stats`, start cold."""
     stats = stats if stats is not None else SnapshotStats()

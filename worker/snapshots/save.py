@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from worker.engine import Engine
 from worker.engine.kv_cache import CachedBlock
+from worker.protocol.objectstore import ObjectStore, StoreError, open_store
 from worker.snapshots.fingerprint import fingerprint
 from worker.snapshots.format import (
     FORMAT_VERSION,
@@ -31,7 +32,6 @@ from worker.snapshots.format import (
 )
 from worker.snapshots.policy import keys_digest, select_blocks
 from worker.snapshots.stats import SnapshotStats
-from worker.snapshots.store import SnapshotStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ _ABANDONED_AFTER_S = 3600  # an incomplete snapshot dir this old is a crashed sa
 
 def save_snapshot(
     engine: Engine,
-    url: str | SnapshotStore,
+    url: str | ObjectStore,
     *,
     max_bytes: int = 1 << 30,
     keep: int = 3,
@@ -98,7 +98,7 @@ def save_snapshot(
     return info
 
 
-def _write_snapshot(engine: Engine, store: SnapshotStore, key: str, chosen: list[CachedBlock], shard_bytes: int,
+def _write_snapshot(engine: Engine, store: ObjectStore, key: str, chosen: list[CachedBlock], shard_bytes: int,
                     progress: bool) -> Manifest:
     """Shards, then the manifest, then the pointer."""
     layout = engine.prefix_blocks.layout
@@ -154,7 +154,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def list_snapshots(store: SnapshotStore) -> dict[str, list[str]]:
+def list_snapshots(store: ObjectStore) -> dict[str, list[str]]:
     """Snapshot dir -> its object names, oldest dir first (dir names start with the UTC time)."""
     dirs: dict[str, list[str]] = collections.defaultdict(list)
     for name in store.list(SNAPSHOTS + "/"):
@@ -164,7 +164,7 @@ def list_snapshots(store: SnapshotStore) -> dict[str, list[str]]:
     return dict(sorted(dirs.items()))
 
 
-def _prune(store: SnapshotStore, keep: int, current: str) -> None:
+def _prune(store: ObjectStore, keep: int, current: str) -> None:
     """Delete complete snapshots older than the newest `keep`, and abandoned partial ones.
 
     An incomplete dir younger than an hour may be another worker's save in flight: left alone."""
@@ -193,7 +193,7 @@ def _dir_time(snapshot_dir: str) -> float:
         return 0.0  # not ours: treat as old
 
 
-def _delete_quietly(store: SnapshotStore, key: str) -> None:
+def _delete_quietly(store: ObjectStore, key: str) -> None:
     """Remove a failed save's objects, unless the pointer write failed only on the way back."""
     try:
         pointer = store.read_bytes(POINTER)

@@ -99,12 +99,13 @@ class Relay:
                 stop.wait(0.2)
 
     def step(self, block_ms: int = int(RELAY_BLOCK_S * 1000)) -> bool:
-        """One XREAD over every watched job; False when nothing is watched."""
+        """Hand off the outbox, then one XREAD over every watched job; False when there was nothing to do."""
+        sent_outbox = self._drain_outbox()
         watched = {job: parse_watch_value(v) for job, v in self.redis.hgetall(self.keys.webhook_watch).items()}
         if time.time() - self._last_gc > GC_INTERVAL_S:
             self._forget_expired(watched)
         if not watched:
-            return False
+            return sent_outbox
         streams = {self.keys.events(job): last for job, (last, _) in watched.items()}
         answer = self.redis.xread(streams, count=100, block=block_ms) or []
         for stream, entries in answer:
@@ -145,6 +146,15 @@ class Relay:
         # The id names the (job, event) pair, so it is the same on every retry and every relay.
         enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body))
         self.redis.set(sent, "1", ex=self.settings.result_ttl_s)
+
+    def _drain_outbox(self) -> bool:
+        """Hand the outbox's ready-made messages to Celery, then drop them (at least once: a relay
+        that dies in between sends one again under the same webhook id)."""
+        entries = self.redis.xrange(self.keys.webhook_outbox, count=100)
+        for entry_id, fields in entries:
+            enqueue(self.app, WebhookMessage(**{name: fields[name] for name in WebhookMessage.__slots__}))
+            self.redis.xdel(self.keys.webhook_outbox, entry_id)
+        return bool(entries)
 
     def _forget_expired(self, watched: dict[str, tuple[str, float]]) -> None:
         self._last_gc = time.time()

@@ -1,4 +1,5 @@
-"""Where prefix-cache snapshots live: one small interface, two stores chosen by URL.
+"""Object stores: one small interface, two stores chosen by URL. Prefix-cache snapshots
+(`FERRY_SNAPSHOT_URL`) and Batch API files (`FERRY_FILES_URL`) live in one.
 
 - `file:///dir` (or a plain path): the embedded default; every write lands under a temporary
   name and is renamed into place, so a reader never sees half a file.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
@@ -29,7 +30,7 @@ class StoreError(RuntimeError):
     """The store could not be reached or refused an operation (network, permissions, disk)."""
 
 
-class SnapshotStore(Protocol):
+class ObjectStore(Protocol):
     url: str
 
     def read_bytes(self, name: str) -> bytes | None:
@@ -42,26 +43,30 @@ class SnapshotStore(Protocol):
     def download(self, name: str, path: Path, progress: Progress | None = None) -> None:
         """Copy the object to the local file `path`; StoreError when it is missing."""
 
+    def read_chunks(self, name: str) -> Iterator[bytes]:
+        """The object's bytes in chunks of at most a few MiB, never all at once; StoreError when it
+        is missing (raised before the first chunk)."""
+
     def list(self, prefix: str) -> list[str]:
         """Names of all objects under `prefix` (recursive, sorted)."""
 
     def delete(self, names: list[str]) -> None: ...
 
 
-def open_store(url: str, endpoint_url: str | None = None) -> SnapshotStore:
+def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:
     """The store for `url`: `file:///dir`, a plain local path, or `s3://bucket/prefix`."""
     parsed = urlparse(url)
     if parsed.scheme == "s3":
         if not parsed.netloc:
-            raise ValueError(f"snapshot URL {url!r} names no bucket: use s3://bucket/prefix")
+            raise ValueError(f"store URL {url!r} names no bucket: use s3://bucket/prefix")
         return S3Store(parsed.netloc, parsed.path.strip("/"), endpoint_url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"snapshot URL {url!r}: file URLs take an absolute path, file:///dir")
+            raise ValueError(f"store URL {url!r}: file URLs take an absolute path, file:///dir")
         return FileStore(Path(unquote(parsed.path)))
     if parsed.scheme == "":
         return FileStore(Path(url).expanduser().resolve())
-    raise ValueError(f"unsupported snapshot URL {url!r}: use file:///dir or s3://bucket/prefix")
+    raise ValueError(f"unsupported store URL {url!r}: use file:///dir or s3://bucket/prefix")
 
 
 class FileStore:
@@ -95,6 +100,16 @@ class FileStore:
             raise StoreError(f"{source} is missing") from exc
         except OSError as exc:
             raise StoreError(f"cannot read {source}: {exc}") from exc
+
+    def read_chunks(self, name: str) -> Iterator[bytes]:
+        source = self._path(name)
+        try:
+            src = source.open("rb")
+        except FileNotFoundError as exc:
+            raise StoreError(f"{source} is missing") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot read {source}: {exc}") from exc
+        return _chunks(src)
 
     def list(self, prefix: str) -> list[str]:
         base = self._path(prefix)
@@ -135,6 +150,12 @@ def _copy(source: Path, out, progress: Progress | None) -> None:
             out.write(chunk)
             if progress is not None:
                 progress(len(chunk))
+
+
+def _chunks(src) -> Iterator[bytes]:
+    with src:
+        while chunk := src.read(_COPY_CHUNK):
+            yield chunk
 
 
 class S3Store:
@@ -192,6 +213,16 @@ class S3Store:
             Callback=progress, Config=self.transfer,
         )
 
+    def read_chunks(self, name: str) -> Iterator[bytes]:
+        body = self._call("read", name, self.client.get_object, Bucket=self.bucket, Key=self._key(name))["Body"]
+        return self._body_chunks(name, body)
+
+    def _body_chunks(self, name: str, body) -> Iterator[bytes]:
+        with body:
+            chunks = body.iter_chunks(_COPY_CHUNK)
+            while chunk := self._call("read", name, next, chunks, b""):
+                yield chunk
+
     def list(self, prefix: str) -> list[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
         strip = len(self.prefix) + 1 if self.prefix else 0
@@ -221,4 +252,4 @@ class S3Store:
             raise StoreError(f"S3 {verb} {self.url}/{name}: {exc}") from exc
 
 
-__all__ = ["FileStore", "Progress", "S3Store", "SnapshotStore", "StoreError", "open_store"]
+__all__ = ["FileStore", "ObjectStore", "Progress", "S3Store", "StoreError", "open_store"]

@@ -1,0 +1,111 @@
+"""OpenAI's Batch API: create a batch from an uploaded JSONL file, look it up, cancel it, list them.
+
+The work itself is done by the batch driver (`api.batch_driver`) of whichever API process holds
+the batch's lease; these routes only write and read the batch's record.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Query
+from pydantic import BaseModel, Field
+
+from api.auth import tenant
+from api.batches import BATCH_ID_PATTERN, ENDPOINTS, WINDOW_S, batch_json, new_batch_id
+from api.errors import ApiError, not_found
+from api.files import get_record
+from api.schemas import error_responses
+from api.services import Services, check_webhook_url, services
+from worker.protocol import lua
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+Svc = Annotated[Services, Depends(services)]
+Tenant = Annotated[str, Depends(tenant)]
+BatchId = Annotated[str, Path(pattern=BATCH_ID_PATTERN)]
+
+
+class BatchWebhook(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    url: str = Field(pattern=r"^https?://")
+
+
+class BatchCreate(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    input_file_id: str
+    endpoint: Literal[ENDPOINTS]  # type: ignore[valid-type]
+    completion_window: Literal["24h"]
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    webhook: BatchWebhook | None = None  # Ferry's: where batch.completed/failed/expired/cancelled are sent
+
+
+async def _batch(svc: Services, batch_id: str, tenant_name: str) -> dict:
+    raw = await svc.redis.hgetall(svc.keys.batch(batch_id))
+    if not raw or raw.get("tenant") != tenant_name:
+        raise not_found("batch", batch_id)
+    return raw
+
+
+@router.post("", responses=error_responses(401, 404, 422), summary="Create a batch from an uploaded file")
+async def create(body: BatchCreate, svc: Svc, tenant_name: Tenant) -> dict[str, Any]:
+    try:
+        input_file = await get_record(svc.redis, svc.keys, body.input_file_id, tenant_name)
+    except ApiError as exc:
+        exc.field = "input_file_id"
+        raise
+    if input_file.purpose != "batch":
+        raise ApiError(422, "invalid_request", "input_file_id: the file's purpose is not 'batch'",
+                       field="input_file_id")
+    if body.webhook is not None:
+        await check_webhook_url(svc, body.webhook.url)
+    now = time.time()
+    window = svc.settings.batch_window_s or WINDOW_S[body.completion_window]
+    batch_id = new_batch_id()
+    raw = {"id": batch_id, "tenant": tenant_name, "status": "validating", "endpoint": body.endpoint,
+           "input_file_id": body.input_file_id, "completion_window": body.completion_window,
+           "created_at": str(now), "expires_at": str(now + window), "metadata": json.dumps(body.metadata),
+           "total": "0", "completed": "0", "failed": "0"}
+    if body.webhook is not None:
+        raw["webhook_url"] = body.webhook.url
+    await svc.redis.hset(svc.keys.batch(batch_id), mapping=raw)
+    await svc.redis.zadd(svc.keys.tenant_batches(tenant_name), {batch_id: now})
+    await svc.redis.sadd(svc.keys.active_batches, batch_id)
+    return batch_json(raw)
+
+
+@router.get("/{batch_id}", responses=error_responses(401, 404), summary="A batch")
+async def retrieve(batch_id: BatchId, svc: Svc, tenant_name: Tenant) -> dict[str, Any]:
+    return batch_json(await _batch(svc, batch_id, tenant_name))
+
+
+@router.post("/{batch_id}/cancel", responses=error_responses(401, 404, 409), summary="Cancel a batch")
+async def cancel(batch_id: BatchId, svc: Svc, tenant_name: Tenant) -> dict[str, Any]:
+    """Lines already answered stay in the output; the batch ends `cancelled` once its running jobs stop."""
+    await _batch(svc, batch_id, tenant_name)
+    before = await svc.redis.register_script(lua.BATCH_CANCEL)(keys=[svc.keys.batch(batch_id)], args=[time.time()])
+    if before not in ("validating", "in_progress", "cancelling"):
+        raise ApiError(409, "batch_not_cancellable", f"batch {batch_id!r} is {before}: it can no longer be cancelled")
+    return batch_json(await _batch(svc, batch_id, tenant_name))
+
+
+@router.get("", responses=error_responses(401), summary="The caller's batches, newest first (cursor pagination)")
+async def list_batches(svc: Svc, tenant_name: Tenant, after: str | None = None,
+                       limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
+    index = svc.keys.tenant_batches(tenant_name)
+    start = 0
+    if after is not None:
+        rank = await svc.redis.zrevrank(index, after)
+        start = rank + 1 if rank is not None else 0
+    ids = await svc.redis.zrevrange(index, start, start + limit)
+    data = []
+    for batch_id in ids[:limit]:
+        raw = await svc.redis.hgetall(svc.keys.batch(batch_id))
+        if raw:
+            data.append(batch_json(raw))
+    return {"object": "list", "data": data, "has_more": len(ids) > limit,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}

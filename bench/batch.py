@@ -1,0 +1,183 @@
+"""The Batch API against the same requests as individual jobs, and what a batch costs live traffic.
+
+Workload: N chat requests (default 2,000) of about P words of seeded random text, exactly M
+output tokens each (greedy, EOS ignored), through one `ferry api` and one `ferry worker`:
+1. as individual jobs: all N `POST /v1/jobs` in the `low` lane (as a batch's lines are), wall
+   time from the first submit to the last job finished;
+2. as one batch: the same N lines uploaded (`POST /v1/files`), `POST /v1/batches`, wall time from
+   the create to `completed` (target: within 1.1x of 1.);
+3. live traffic: up to L streamed chat completions, one every `--live-gap-s`, first with nothing
+   else running, then while a batch of the N lines runs (only those sent before it finished);
+   TTFT = request sent -> first content chunk (target: p50 with the batch at most 1.3x without).
+
+    python -m bench.batch [--lines 2000] [--max-tokens 16] [--live 40] [--model DIR] [--quick]
+
+Writes bench/results/batch-<time>.json (and batch-latest.json) and bench/plots/batch.png. Needs
+Redis (FERRY_REDIS_URL, default redis://127.0.0.1:6379/0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.api import MODEL_NAME, WORDS, _default_model, start_stack
+from bench.common import percentiles, write_result
+from bench.plots import plot_batch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lines", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--live", type=int, default=40, help="live streamed requests per phase")
+    p.add_argument("--live-gap-s", type=float, default=0.1)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--quick", action="store_true", help="200 lines x 8 tokens, 10 live requests")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lines, args.max_tokens, args.live = 200, 8, 10
+    args.clients = args.max_num_seqs  # bench.api's stack sizes the worker by it
+    return args
+
+
+def _body(prompt: str, max_tokens: int) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+
+
+async def individual_jobs(client: httpx.AsyncClient, prompts: list[str], max_tokens: int) -> float:
+    """Wall seconds from the first submit to the last job's `finished_at` (as the worker stamped it,
+    so the polling below adds nothing)."""
+    started = time.time()
+    limit = asyncio.Semaphore(32)
+
+    async def submit(prompt: str) -> str:
+        job = {"input": _body(prompt, max_tokens), "priority": "low"}
+        async with limit:
+            answer = await client.post("/v1/jobs", json=job)
+        answer.raise_for_status()
+        return answer.json()["id"]
+
+    ids = await asyncio.gather(*(submit(p) for p in prompts))
+    pending = set(ids)
+    finished: list[float] = []
+    while pending:
+        for job_id in list(pending):
+            job = (await client.get(f"/v1/jobs/{job_id}")).json()
+            if job["status"] in ("succeeded", "failed", "cancelled", "timed_out"):
+                pending.discard(job_id)
+                finished.append(job["finished_at"])
+        await asyncio.sleep(0.2)
+    return max(finished) - started
+
+
+async def start_batch(client: httpx.AsyncClient, prompts: list[str], max_tokens: int) -> tuple[str, float]:
+    lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": _body(p, max_tokens)}) + "\n" for i, p in enumerate(prompts))
+    upload = await client.post("/v1/files", data={"purpose": "batch"},
+                               files={"file": ("bench.jsonl", io.BytesIO(lines.encode()))})
+    upload.raise_for_status()
+    started = time.perf_counter()
+    batch = await client.post("/v1/batches", json={"input_file_id": upload.json()["id"],
+                                                   "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    batch.raise_for_status()
+    return batch.json()["id"], started
+
+
+async def wait_batch(client: httpx.AsyncClient, batch_id: str, started: float) -> tuple[float, dict]:
+    while True:
+        batch = (await client.get(f"/v1/batches/{batch_id}")).json()
+        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            return time.perf_counter() - started, batch
+        await asyncio.sleep(0.1)
+
+
+async def live_ttfts(client: httpx.AsyncClient, prompts: list[str], gap_s: float,
+                     while_batch: str | None = None) -> list[float]:
+    """TTFTs of the prompts sent one every `gap_s`; with `while_batch`, only those sent while that
+    batch was still running (sending stops when it finishes)."""
+
+    async def running() -> bool:
+        status = (await client.get(f"/v1/batches/{while_batch}")).json()["status"]
+        return status in ("validating", "in_progress")
+
+    async def one(prompt: str) -> float:
+        sent = time.perf_counter()
+        async with client.stream("POST", "/v1/chat/completions", json=_body(prompt, 8) | {"stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    return (time.perf_counter() - sent) * 1000
+        return float("nan")
+
+    tasks = []
+    for prompt in prompts:
+        if while_batch is not None and not await running():
+            break
+        tasks.append(asyncio.create_task(one(prompt)))
+        await asyncio.sleep(gap_s)
+    return list(await asyncio.gather(*tasks))
+
+
+async def run(url: str, args: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.lines)]
+    live = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.live)]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await live_ttfts(client, live[:2], 0)  # warm-up
+        jobs_s = await individual_jobs(client, prompts, args.max_tokens)
+        batch_id, started = await start_batch(client, prompts, args.max_tokens)
+        batch_s, batch = await wait_batch(client, batch_id, started)
+        idle = await live_ttfts(client, live, args.live_gap_s)
+        batch_id, started = await start_batch(client, prompts, args.max_tokens)
+        loaded = await live_ttfts(client, live, args.live_gap_s, while_batch=batch_id)
+        await wait_batch(client, batch_id, started)
+    return {"jobs_wall_s": jobs_s, "batch_wall_s": batch_s, "batch": batch["request_counts"],
+            "ttft_idle_ms": idle, "ttft_with_batch_ms": loaded}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    model = Path(args.model) if args.model else _default_model()
+    os.environ["FERRY_FILES_URL"] = Path(tempfile.mkdtemp(prefix="ferry-bench-files-")).as_uri()
+    stack = start_stack(model, args)
+    try:
+        raw = asyncio.run(run(stack.url, args))
+    finally:
+        stack.stop(args.redis_url)
+    idle, loaded = percentiles(raw["ttft_idle_ms"]), percentiles(raw["ttft_with_batch_ms"])
+    result = {
+        "model": str(model), "lines": args.lines, "max_tokens": args.max_tokens, "live": args.live,
+        "load": os.getloadavg(), "batch_backlog": os.environ.get("FERRY_BATCH_BACKLOG", "default"), **raw,
+        "batch_over_jobs": round(raw["batch_wall_s"] / raw["jobs_wall_s"], 3),
+        "ttft_idle": idle, "ttft_with_batch": loaded,
+        "ttft_p50_ratio": round(loaded["p50"] / idle["p50"], 3) if loaded["p50"] else None,
+    }
+    path = write_result("batch", result)
+    plot_batch(result, REPO / "bench" / "plots")
+    print(f"{args.lines} lines x {args.max_tokens} tokens: jobs {raw['jobs_wall_s']:.1f} s, batch "
+          f"{raw['batch_wall_s']:.1f} s ({result['batch_over_jobs']}x; target <= 1.1)\n"
+          f"live TTFT p50 {idle['p50']:.0f} ms idle, {loaded['p50']:.0f} ms with a batch running "
+          f"({result['ttft_p50_ratio']}x; target <= 1.3) -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
