@@ -111,6 +111,7 @@ class HermesParser(ToolCallParser):
         super().__init__(job_id, parallel)
         self._pending = ""  # text not yet released: a possible tag start, blanks, or an open call's body
         self._in_call = False
+        self._gap = ""  # blanks before an open call: dropped if it is a call, content if it is not
 
     def feed(self, text: str) -> ChatDelta:
         self._pending += text
@@ -126,7 +127,9 @@ class HermesParser(ToolCallParser):
                 continue
             start = self._pending.find(self.OPEN)
             if start >= 0:
-                self._release(out, self._pending[:start].rstrip())  # blanks before a call are not content
+                before = self._pending[:start]
+                self._release(out, before.rstrip())  # blanks before a call are not content
+                self._gap = before[len(before.rstrip()):]
                 self._pending = self._pending[start + len(self.OPEN):]
                 self._in_call = True
                 continue
@@ -153,9 +156,10 @@ class HermesParser(ToolCallParser):
         except ValueError:
             deltas = None
         if deltas is None:  # not a call after all: it was content
-            self._release(out, self.OPEN + body + self.CLOSE)
+            self._release(out, self._gap + self.OPEN + body + self.CLOSE)
         else:
             out.tool_calls += deltas
+        self._gap = ""
 
     def _release(self, out: ChatDelta, text: str) -> None:
         if text:
