@@ -16,6 +16,7 @@ from worker.protocol import Message, Priority, StructuredOutputsRequest
 from worker.protocol.jobs import LogitBias, TokenIds, check_json, sampling_annotation, sampling_fields
 from worker.protocol.sampling import LIMITS
 from worker.protocol.structured import check_json_schema
+from worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(BaseModel):
@@ -59,9 +60,11 @@ class ResponseFormat(BaseModel):
 # Fields clients send that Ferry does not implement: refused with the field named when set (vLLM's
 # older guided_* spellings point to structured_outputs).
 UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "functions", "function_call",  # OpenAI's older spelling of tools
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
 )
+MAX_N = 16  # choices per request: each is a job of its own, sharing the prompt's KV through the prefix cache
+OPENAI_MAX_STOP = 4  # stop strings OpenAI allows (jobs take more: worker.protocol.sampling)
 
 
 # The sampling fields with the engine's names and limits (worker.protocol.sampling); unset (None)
@@ -71,7 +74,7 @@ _SamplingFields = create_model(
     "_SamplingFields",
     __config__=ConfigDict(extra="ignore"),
     model=(str | None, None),
-    n=(int, Field(default=1, ge=1, le=1, description="only 1 is supported")),
+    n=(Annotated[int, Strict()], Field(default=1, ge=1, le=MAX_N, description="choices to generate for the prompt")),
     stream=(bool, False),
     stream_options=(StreamOptions | None, None),
     logit_bias=(LogitBias | None, Field(default=None, description="token id -> bias in [-100, 100], at most 300")),
@@ -79,7 +82,9 @@ _SamplingFields = create_model(
     structured_outputs=(StructuredOutputsRequest | None, Field(default=None, description="vLLM's: a grammar")),
     response_format=(ResponseFormat | None, None),
     **{name: (Any, Field(default=None, description="not supported")) for name in UNSUPPORTED_FIELDS},
-    **sampling_fields(optional=True, exclude=("logprobs",)),
+    **sampling_fields(optional=True, exclude=("logprobs", "stop")),
+    stop=(Annotated[str, Strict()] | Annotated[list[Annotated[str, Strict()]], Field(max_length=OPENAI_MAX_STOP)]
+          | None, Field(default=None, description=f"up to {OPENAI_MAX_STOP} strings that end generation")),
 )
 _LOGPROBS = sampling_annotation(LIMITS["logprobs"])
 _MAX_TOKENS = sampling_annotation(LIMITS["max_tokens"], nullable=True)
@@ -110,7 +115,9 @@ class CompletionRequest(_Body):
     logprobs: _LOGPROBS = None  # type: ignore[valid-type]
     echo: bool = Field(default=False, description="put the prompt before the completion (text prompts, no logprobs)")
     suffix: str | None = Field(default=None, description="not supported")
-    best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="only equal to n (every choice is returned)")
+    tools: Any = Field(default=None, description="not supported: tools need /v1/chat/completions")
+    tool_choice: Any = Field(default=None, description="not supported: tools need /v1/chat/completions")
 
 
 class ChatCompletionRequest(_Body):
@@ -118,6 +125,10 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: _MAX_TOKENS = None  # type: ignore[valid-type]
     logprobs: bool = False
     top_logprobs: _LOGPROBS = None  # type: ignore[valid-type]
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(default=None, description="none, auto (default with tools), required, or "
+                                           '{"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = None
 
 
 # --- responses ------------------------------------------------------------------------------------
@@ -173,7 +184,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
 from worker.protocol.jobs import Metadata, StrictFloat, check_json, sampling_annotation
 from worker.protocol.sampling import LIMITS
+from worker.protocol.tools import ToolCall
 
 # JobRequest fields the API sets itself or takes from the job envelope rather than from `input`.
 _NOT_INPUT = {"model", "tenant", "created_at", "priority", "ttl_s", "timeout_s", "metadata", "webhook", "cache_salt"}
@@ -49,6 +50,8 @@ class JobOutput(BaseModel):
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    content: str | None = None  # a chat with tools: the text that is not tool calls
+    tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of `text`
 
 
 class JobErrorInfo(BaseModel):

@@ -46,6 +46,7 @@ from worker.protocol import (
     cancel_job_async,
 )
 from worker.protocol.sampling import SAMPLING_LIMITS
+from worker.protocol.tools import ChatDelta, ToolCall
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -123,19 +124,39 @@ def completion_jobs(svc: Services, tenant_name: str, model: str, body: Completio
                        "request", field="stream")
     if body.echo and (body.logprobs is not None or any(not isinstance(p, str) for p in batch)):
         raise ApiError(422, "unsupported", "echo: supported for text prompts without logprobs", field="echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(422, "unsupported", "best_of: only equal to n (every choice is returned)", field="best_of")
+    if body.n > 1 and body.stream:
+        raise ApiError(422, "unsupported", "stream: n > 1 is answered whole; stream with n = 1", field="stream")
+    if len(batch) * body.n > MAX_PROMPTS:
+        raise ApiError(422, "invalid_request", f"prompt x n: at most {MAX_PROMPTS} choices per request", field="n")
     fields = {}
     if body.logprobs is not None:
         fields |= {"logprobs": True, "top_logprobs": body.logprobs}
-    return [_job_request(svc, tenant_name, model, body, prompt=p, **fields) for p in batch]
+    # Choices prompt-major, as OpenAI orders them: prompt i's j-th choice has index i * n + j.
+    requests = [_job_request(svc, tenant_name, model, body, prompt=p, **fields) for p in batch]
+    return [choice for request in requests for choice in _choices(request, body.n)]
 
 
-def chat_job(svc: Services, tenant_name: str, model: str, body: ChatCompletionRequest) -> JobRequest:
+def _choices(job: JobRequest, n: int) -> list[JobRequest]:
+    """`n` jobs of one request, one per choice (a seed, if given, moves by the choice's index so
+    sampled choices differ); their prompts are the same tokens, shared through the prefix cache."""
+    return [job] + [job.model_copy(update={"seed": job.seed + i} if job.seed is not None else {}) for i in range(1, n)]
+
+
+def chat_jobs(svc: Services, tenant_name: str, model: str, body: ChatCompletionRequest) -> list[JobRequest]:
     fields: dict = {"messages": body.messages}
     if body.max_completion_tokens is not None:
         fields["max_tokens"] = body.max_completion_tokens
     if body.logprobs:
         fields |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
-    return _job_request(svc, tenant_name, model, body, **fields)
+    if body.tools is not None:
+        fields |= {"tools": body.tools, "tool_choice": body.tool_choice}
+        if body.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = body.parallel_tool_calls
+    elif body.tool_choice not in (None, "none"):
+        raise ApiError(422, "invalid_request", "tool_choice needs tools", field="tool_choice")
+    return _choices(_job_request(svc, tenant_name, model, body, **fields), body.n)
 
 
 # --- events -> OpenAI shapes ---------------------------------------------------------------------
@@ -206,9 +227,33 @@ class Shape:
     echo: str = ""  # the prompt, put before the completion (completions' `echo`)
     text: str = ""  # everything released so far
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    tools: bool = False  # a chat that may call tools: its events carry the text parsed into content and calls
+    content: str = ""  # with tools: the released text that is not a tool call
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls, once complete
+
+    def add(self, event) -> None:
+        """Take in a token event's text (and, with tools, its content and calls)."""
+        self.text += event.text
+        self.token_logprobs += event.logprobs or []
+        if self.tools and event.chat is not None:
+            self.content += event.chat.content
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chat_delta_chunk(self, delta: ChatDelta, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """A chat-with-tools chunk: content and tool-call pieces (OpenAI's stream shape), or None
+        when the step released nothing (text held back while it may still be a call)."""
+        if not delta and not (self.logprobs and logprobs):
+            return None
+        out: dict = {}
+        if delta.content:
+            out["content"] = delta.content
+        if delta.tool_calls:
+            out["tool_calls"] = [d.model_dump(exclude_none=True) for d in delta.tool_calls]
+        choice = {"index": self.index, "delta": out,
+                  "logprobs": chat_logprobs(logprobs) if self.logprobs and logprobs else None, "finish_reason": None}
+        return self._head("chat.completion.chunk") | {"choices": [choice]}
 
     def chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None = None) -> dict:
         if self.chat:
@@ -226,7 +271,8 @@ class Shape:
     def first_chunk(self) -> dict | None:
         if not self.chat:
             return self.chunk(self.echo, None) if self.echo else None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         return self._head("chat.completion.chunk") | {"choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -237,9 +283,13 @@ class Shape:
 
     def body(self, finish_reason: str, usage: Usage) -> dict:
         if self.chat:
+            message: dict = {"role": "assistant", "content": self.text}
+            if self.tools:
+                message = {"role": "assistant", "content": self.content or None,
+                           "tool_calls": [c.model_dump() for c in self.tool_calls] or None}
             choice = {
                 "index": self.index,
-                "message": {"role": "assistant", "content": self.text},
+                "message": message,
                 "logprobs": chat_logprobs(self.token_logprobs) if self.logprobs else None,
                 "finish_reason": finish_reason,
             }
@@ -309,9 +359,9 @@ async def _collect(svc: Services, http: Request, shape: Shape, job_id: str) -> E
                 continue
             for event in batch:
                 if event.type == "token":
-                    shape.text += event.text
-                    shape.token_logprobs += event.logprobs or []
+                    shape.add(event)
                 elif event.type == "completed":
+                    shape.tool_calls = list(event.tool_calls or [])
                     return event
                 elif event.type in TERMINAL_EVENT_TYPES:
                     raise job_error(event)
@@ -352,6 +402,10 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
 
     def render(event: Event) -> list[str]:
         """The SSE messages for one event; the last event's end with `[DONE]`."""
+        if event.type == "token" and shape.tools:
+            piece = shape.chat_delta_chunk(event.chat or ChatDelta(), event.logprobs)
+            shape.add(event)
+            return [chunk(piece)] if piece is not None else []
         if event.type == "token":
             out = (
                 [chunk(shape.chunk(event.text, event.logprobs))]
@@ -422,13 +476,17 @@ async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_n
 )
 async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
     model = await resolve_model(svc, body.model)
-    job = chat_job(svc, tenant_name, model, body)
+    jobs = chat_jobs(svc, tenant_name, model, body)
+    if len(jobs) > 1 and body.stream:
+        raise ApiError(422, "unsupported", "stream: n > 1 is answered whole; stream with n = 1", field="stream")
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    tools = jobs[0].effective_tool_choice != "none"
 
     def shape(job_id: str, index: int) -> Shape:
-        return Shape(f"chatcmpl-{job_id}", model, int(job.created_at), chat=True, logprobs=body.logprobs, index=index)
+        return Shape(f"chatcmpl-{job_id}", model, int(jobs[0].created_at), chat=True, logprobs=body.logprobs,
+                     index=index, tools=tools)
 
-    return await _answer(svc, http, [job], shape, body.stream, include_usage)
+    return await _answer(svc, http, jobs, shape, body.stream, include_usage)
 
 
 @router.get("/models", response_model=ModelList, responses=error_responses(401),

@@ -37,6 +37,9 @@ NOT_SAMPLING = {
         "cache_salt",
         "structured_outputs",
         "logit_bias",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     },
     "completion": {
         "model",
@@ -53,6 +56,8 @@ NOT_SAMPLING = {
         "echo",
         "suffix",
         "best_of",
+        "tools",
+        "tool_choice",
     },
     "chat": {
         "model",
@@ -68,6 +73,9 @@ NOT_SAMPLING = {
         "messages",
         "max_completion_tokens",
         "logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     },
 }
 PYDANTIC = {"job": JobRequest, "completion": CompletionRequest, "chat": ChatCompletionRequest}

@@ -201,11 +201,16 @@ class Engine:
             raise ValueError("this model directory has no tokenizer: give prompts as token-id lists")
         return self.tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat, rendered with the model's own chat template."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of a chat, rendered with the model's own chat template (given `tools`, the
+        functions the model may call, in OpenAI's shape)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def add_request(

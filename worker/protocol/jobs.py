@@ -34,6 +34,7 @@ from worker.protocol.sampling import (
     Limit,
 )
 from worker.protocol.structured import StructuredOutputsRequest
+from worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_tool_choice, forced_tool_schema
 
 PROTOCOL_VERSION = 1
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # no ':' or '.': an id never spells another key's name
@@ -196,26 +197,42 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class Message(BaseModel):
-    """One chat message (OpenAI shape; text content only). Every role but `assistant` needs content."""
+    """One chat message (OpenAI shape; text content only). A `user`, `system`, `developer` or `tool`
+    message needs content; an `assistant` message may carry `tool_calls` instead; a `tool`
+    message answers the call named by its `tool_call_id`."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant only: the calls it made
+    tool_call_id: str | None = Field(default=None, min_length=1)  # tool only: the call this is the result of
 
     @model_validator(mode="after")
     def _content(self) -> Message:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         return self
 
-    def for_template(self) -> dict[str, str]:
-        """The message as a chat template expects it: content as one string."""
+    @property
+    def text(self) -> str:
         content = self.content or ""
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        out = {"role": self.role, "content": text}
+        return content if isinstance(content, str) else "".join(p.text for p in content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content as one string (Hugging Face's
+        shape for tool calls and tool results)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -268,6 +285,16 @@ class JobRequest(_JobSampling):
     cache_salt: str | None = None  # prefix-cache namespace (per tenant or per user)
     structured_outputs: StructuredOutputsRequest | None = None  # a grammar the output must match
     logit_bias: LogitBias | None = None  # token id -> bias added to its logit
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # functions it may call
+    # none | auto | required | {"type": "function", "function": {"name"}}; unset: auto with tools
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Annotated[bool, Strict()] = True  # False: at most one call
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: ToolChoice | None, info) -> ToolChoice | None:
+        check_tool_choice(info.data.get("tools"), value)
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -284,7 +311,25 @@ class JobRequest(_JobSampling):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides the end)")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need 'messages' (a chat)")
+        if self.forced_tool_schema() is not None and (self.structured_outputs is not None or self.min_tokens):
+            raise ValueError("tool_choice required or a named function is a grammar of its own: it cannot be "
+                             "combined with structured_outputs or min_tokens")
         return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """`none` without tools; `auto` with tools and no tool_choice (OpenAI's defaults)."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match when tool_choice forces calls (see worker.protocol.tools)."""
+        if not self.tools:
+            return None
+        return forced_tool_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the engine's `SamplingParams`."""
@@ -294,6 +339,9 @@ class JobRequest(_JobSampling):
         kwargs["logit_bias"] = self.logit_bias
         if self.structured_outputs is not None:
             kwargs["structured_outputs"] = self.structured_outputs.engine_kwargs()
+        forced = self.forced_tool_schema()
+        if forced is not None:
+            kwargs["structured_outputs"] = StructuredOutputsRequest(json=forced).engine_kwargs()
         return kwargs
 
 
@@ -355,7 +403,7 @@ class Envelope(BaseModel):
         return cls.model_validate(decoded(fields))
 
 
-_JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason")
+_JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason", "tool_calls")
 
 
 class JobRecord(BaseModel):
@@ -380,8 +428,10 @@ class JobRecord(BaseModel):
     finished_at: float | None = None
     text: str | None = None  # the whole generated text, once terminal
     token_ids: list[int] | None = None  # the whole generated token ids, once terminal
-    finish_reason: str | None = None  # "stop" | "length" on success
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on success
     stop_reason: str | int | None = None
+    content: str | None = None  # a chat with tools: the text that is not tool calls, once terminal
+    tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of the output
     usage: Usage | None = None
     timings: Timings | None = None
     error_code: str | None = None

@@ -49,6 +49,8 @@ from worker.protocol import (
     TopLogprob,
     Usage,
 )
+from worker.protocol.tool_parsers import DEFAULT_PARSER, PARSERS, NamedCall, ToolCallParser
+from worker.serve.chat import chat_messages, output_parser, template_knows_tools
 from worker.serve.intake import JobStart
 from worker.serve.metrics import WorkerMetrics
 from worker.serve.writes import Finish, HandBack, JobWrite, Progress, finish
@@ -95,6 +97,7 @@ class _Run:
     first_token_at: float | None
     cached_tokens: int = 0
     pending: list = field(default_factory=list)  # events of this step not yet handed over
+    tools: ToolCallParser | None = None  # a chat that may call tools: reads the calls out of its text
 
     def seq(self) -> int:
         self.next_seq += 1
@@ -103,8 +106,9 @@ class _Run:
 
 class EngineLoop:
     def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
-                 idle_task: Callable[[], None] | None = None) -> None:
+                 idle_task: Callable[[], None] | None = None, tool_call_parser: str = DEFAULT_PARSER) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # worker.protocol.tool_parsers.PARSERS: this model's call format
         self.worker_id = worker_id
         self.metrics = metrics
         self.submit = submit
@@ -229,6 +233,9 @@ class EngineLoop:
         except Exception as exc:  # tokenizer or chat-template errors (jinja raises its own types): bad input
             return [self._fail(job.job_id, ErrorCode.INVALID_PROMPT, f"{type(exc).__name__}: {exc}")]
         run.prompt_len = len(prompt_ids)
+        run.tools = output_parser(req, job.job_id, self.tool_call_parser)
+        if run.tools is not None and job.streamed.text:
+            run.tools.feed(job.streamed.text)  # what the client has: the parser goes on from there
         if len(prompt_ids) >= self.engine.max_model_len:
             return [self._fail(job.job_id, ErrorCode.PROMPT_TOO_LONG,
                                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.engine.max_model_len}")]
@@ -261,7 +268,9 @@ class EngineLoop:
 
     def _prompt_ids(self, req: JobRequest) -> list[int]:
         if req.messages is not None:
-            return self.engine.apply_chat_template([m.for_template() for m in req.messages])
+            native = template_knows_tools(self.engine.tokenizer)
+            messages, tools = chat_messages(req, PARSERS[self.tool_call_parser], native)
+            return self.engine.apply_chat_template(messages, tools=tools)
         if isinstance(req.prompt, str):
             return self.engine.encode(req.prompt)
         return list(req.prompt)
@@ -279,10 +288,16 @@ class EngineLoop:
             run.text.append(out.new_text)
             run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
             run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=out.new_token_ids,
-                                          logprobs=_logprobs(out, job.request.top_logprobs)))
+                                          logprobs=_logprobs(out, job.request.top_logprobs),
+                                          chat=run.tools.feed(out.new_text) if run.tools else None))
         elif out.new_text:  # held-back text released at the end
             run.text.append(out.new_text)
-            run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[]))
+            run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[],
+                                          chat=run.tools.feed(out.new_text) if run.tools else None))
+        if out.finished and run.tools is not None:
+            rest = run.tools.finish()
+            if rest:
+                run.pending.append(TokenEvent(seq=run.seq(), text="", token_ids=[], chat=rest))
         if out.finished:
             if out.finish_reason in ("stop", "length"):
                 return self._complete(run, out.finish_reason, out.stop_reason, out.metrics.inter_token_latencies)
@@ -301,10 +316,16 @@ class EngineLoop:
     def _complete(self, run: _Run, finish_reason: str, stop_reason, itls: list[float]) -> Finish:
         for itl in itls:
             self.metrics.itl.observe(itl)
+        calls = run.tools.calls if run.tools is not None else []
+        # OpenAI's: "tool_calls" when the model chose to call (auto, required); a named function's call
+        # was not the model's choice and ends with "stop".
+        if calls and finish_reason == "stop" and not isinstance(run.tools, NamedCall):
+            finish_reason = "tool_calls"
         event = CompletedEvent(
             seq=run.seq(),
             finish_reason=finish_reason,
             stop_reason=stop_reason,
+            tool_calls=calls or None,
             usage=self._usage(run),
             timings=self._timings(run),
         )
@@ -328,6 +349,9 @@ class EngineLoop:
         }
         if isinstance(event, CompletedEvent):
             result |= {"finish_reason": event.finish_reason, "stop_reason": json.dumps(event.stop_reason)}
+            if run.tools is not None:
+                result |= {"content": run.tools.content,
+                           "tool_calls": json.dumps([c.model_dump() for c in run.tools.calls])}
         events, run.pending = run.pending, []
         return finish(job.job_id, job.delivery, event, self.worker_id, result, events_before=events)
 

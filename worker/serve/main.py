@@ -147,7 +147,8 @@ class Worker:
                              "max_model_len": str(self.engine.max_model_len)}
         log.info("engine loaded", extra={"model": self.model, "seconds": round(time.monotonic() - started, 2),
                                          "fingerprint": self.fingerprint})
-        self.runner = EngineLoop(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, idle_task)
+        self.runner = EngineLoop(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, idle_task,
+                                 tool_call_parser=self.settings.tool_call_parser)
 
     def _start_threads(self) -> None:
         self.runner.thread.start()

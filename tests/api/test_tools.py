@@ -1,0 +1,131 @@
+"""Tool calling through the real stack (API + worker on a random-weight model) with the official
+`openai` client: forced calls come from the grammar, `auto` calls from the worker's parser."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.api.conftest import KEY_A, MODEL, wait_until
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": {}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# What a model that calls get_weather writes in the hermes format: forced here with a regex, so a
+# random-weight model produces it and the worker's `auto` parser has a call to find.
+HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_makes_a_random_model_call_a_tool(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       max_tokens=150, temperature=0.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    check_calls(choice.message.tool_calls)
+    assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+
+def test_required_without_parallel_calls_makes_one_call(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=150, temperature=0.7, seed=3)
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_a_named_function_is_called_with_valid_arguments(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                                       max_tokens=150, temperature=1.0, seed=1)
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"]
+    check_calls(calls)
+    assert r.choices[0].finish_reason == "stop"  # OpenAI's: a named call was not the model's choice
+
+
+def test_auto_parses_hermes_calls_whole_and_streamed(client):
+    forced = {"structured_outputs": {"regex": re.escape(HERMES_CALL)}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                       temperature=0.0, extra_body=forced)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                            temperature=0.0, extra_body=forced, stream=True)
+    pieces: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        assert not delta.content  # the call's text never leaks out as content
+        for d in delta.tool_calls or []:
+            merged = pieces.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            merged["id"] = d.id or merged["id"]
+            merged["name"] += (d.function.name or "") if d.function else ""
+            merged["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for p in pieces.values()] == [("get_weather", {"city": "Paris"})]
+    assert pieces[0]["id"].startswith("call_")  # ids are per job: this stream's differs from the call above
+
+
+def test_tool_choice_none_answers_in_text(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                       max_tokens=8, temperature=0.0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_conversation_with_tool_calls_and_results_is_accepted(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=6, temperature=0.0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > 0
+
+
+def test_n_returns_n_choices_in_order(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=5, temperature=0.0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 1  # greedy: the same answer three times
+    assert r.usage.completion_tokens <= 15
+    r = client.completions.create(model=MODEL, prompt=["a b", "c d"], n=2, max_tokens=3, temperature=0.0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text
+
+
+def test_a_job_with_forced_tools_records_its_calls(api):
+    body = {"input": {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 150}}
+    r = api.post("/v1/jobs", json=body)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    wait_until(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded", 90, "the job")
+    output = api.get(f"/v1/jobs/{job_id}").json()["output"]
+    assert output["finish_reason"] == "tool_calls" and output["tool_calls"]
+    for call in output["tool_calls"]:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
