@@ -2,7 +2,7 @@
 of the output and error files, all in OpenAI's shapes.
 
 A line is parsed by the same code as a live request (`api.routes.openai`: the request schemas,
-`chat_job` / `completion_jobs`, model routing and the vocabulary check), so every sampling field
+`chat_jobs` / `completion_jobs`, model routing and the vocabulary check), so every sampling field
 and structured outputs behave as on `/v1/chat/completions` and `/v1/completions`; a line's job
 goes to the `low` lane with its `custom_id` and the batch id on the job hash.
 """
@@ -22,7 +22,7 @@ from starlette.concurrency import iterate_in_threadpool
 
 from api.errors import ApiError, error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.routes.openai import Shape, chat_job, completion_jobs, job_error
+from api.routes.openai import Shape, chat_jobs, completion_jobs, job_error
 from api.services import Services, check_against_model, resolve_model
 from worker.protocol import JobRecord, JobRequest, JobState, Priority
 from worker.protocol.objectstore import ObjectStore
@@ -139,7 +139,10 @@ async def _line_job(svc: Services, tenant: str, batch_id: str, endpoint: str, nu
         if request.logprobs:
             raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
         model = await resolve_model(svc, request.model)
-        job = chat_job(svc, tenant, model, request)
+        jobs = chat_jobs(svc, tenant, model, request)
+        if len(jobs) != 1:
+            raise ApiError(422, "unsupported", "n: one choice per batch line", field="n")
+        job = jobs[0]
     else:
         request = CompletionRequest.model_validate(body)
         if request.logprobs is not None:
@@ -147,7 +150,7 @@ async def _line_job(svc: Services, tenant: str, batch_id: str, endpoint: str, nu
         model = await resolve_model(svc, request.model)
         jobs = completion_jobs(svc, tenant, model, request)
         if len(jobs) != 1:
-            raise ApiError(422, "invalid_request", "prompt: one prompt per batch line", field="prompt")
+            raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
         job = jobs[0]
         echo = request.echo
     await check_against_model(svc, job)
@@ -165,8 +168,10 @@ def output_line(record: JobRecord, custom_id: str, chat: bool, echo: str) -> tup
     """(succeeded, the JSONL line) for a finished line's job."""
     if record.state == JobState.succeeded:
         prefix = "chatcmpl" if chat else "cmpl"
+        tools = record.tool_calls is not None  # a chat with tools: content and calls parsed by the worker
         shape = Shape(f"{prefix}-{record.id}", record.model, int(record.created_at), chat=chat, logprobs=False,
-                      echo=echo, text=record.text or "")
+                      echo=echo, text=record.text or "", tools=tools, content=record.content or "",
+                      tool_calls=list(record.tool_calls or []))
         response = {"status_code": 200, "request_id": record.id, "body": shape.body(record.finish_reason, record.usage)}
         return True, _jsonl({"id": request_id(record.id), "custom_id": custom_id, "response": response, "error": None})
     ended = SimpleNamespace(type={JobState.cancelled: "cancelled", JobState.timed_out: "timed_out"}.get(
