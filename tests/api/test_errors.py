@@ -103,7 +103,7 @@ def test_validation_errors_name_the_field():
         assert (e["code"], e["field"]) == ("unsupported", "stream")
         assert error(api.post("/v1/completions", json={"prompt": []}), 422)["field"] == "prompt"
         assert error(api.post("/v1/completions", json={"prompt": ["a"] * 65}), 422)["field"] == "prompt"
-        assert error(api.post("/v1/completions", json={"prompt": "a", "n": 2}), 422)["field"] == "n"
+        assert error(api.post("/v1/completions", json={"prompt": "a", "n": 17}), 422)["field"] == "n"
         e = error(api.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1}), 422)
         assert (e["code"], e["field"]) == ("unsupported", "echo")
         assert error(api.post("/v1/completions", json={"prompt": [1, 2], "echo": True}), 422)["field"] == "echo"
