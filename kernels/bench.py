@@ -3,6 +3,8 @@
     python -m kernels.bench                      # full grid, Llama-3-8B attention shape, bf16
     python -m kernels.bench --quick              # a few cases, for a smoke run
     python -m kernels.bench --out results.json   # default: bench/results/kernels-<device>.json
+    python -m kernels.bench --dry-run            # tiny cases on the CPU under Triton's interpreter:
+                                                 # checks the benchmark runs; its times mean nothing
 
 Paged attention, decode (batch 1-256, context 512-32k): achieved HBM bandwidth, counting the
 K/V and q read and the output written, against the device's measured copy bandwidth (target:
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,13 +40,15 @@ DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_CONTEXTS = [512, 2048, 8192, 32768]
 PREFILL_CHUNKS = [512, 1024, 2048, 4096, 8192]
 QUICK = {"batches": [1, 64], "contexts": [2048, 8192], "chunks": [1024, 4096]}
+DRY_RUN = {"batches": [1, 3], "contexts": [48], "chunks": [40]}
+DRY_RUN_SHAPE = {"dtype": "float32", "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden": 64}
 FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2
 TARGET_TIME_S = 0.5  # measuring time per case, which sets the number of runs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -50,9 +56,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size for rms_norm")
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny float32 cases on the CPU under Triton's interpreter: the benchmark runs; its times mean nothing",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="JSON path (default bench/results/kernels-<device>.json)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        for key, value in DRY_RUN_SHAPE.items():
+            setattr(args, key, value)
+    args.device = torch.device("cpu" if args.dry_run else "cuda")
+    return args
 
 
 class Timer:
@@ -81,9 +97,22 @@ class Timer:
         return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def copy_bandwidth(timer: Timer, device: torch.device) -> float:
+class WallTimer:
+    """Median wall-clock time of two runs after one warm-up: the dry run's timer on the CPU."""
+
+    def __call__(self, fn: Callable[[], object], min_runs: int = 2, max_runs: int = 2) -> float:
+        """Milliseconds."""
+        fn()
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(timer: Timer, device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
-    nbytes = 2 << 30
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / timer(lambda: dst.copy_(src)) / 1e6
@@ -135,11 +164,11 @@ def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int)
     from kernels.metadata import AttentionMetadata
     from kernels.triton.paged_attention_kernel import choose_variant, paged_attention
 
-    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    device, dtype = args.device, getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     elem = torch.finfo(dtype).bits // 8
     kv_bytes = 2 * batch * kv_heads * context * dim * elem
-    if 2.2 * kv_bytes > torch.cuda.mem_get_info()[0]:  # paged pool + contiguous copy for SDPA
+    if device.type == "cuda" and 2.2 * kv_bytes > torch.cuda.mem_get_info()[0]:  # paged pool + SDPA's copy
         return None
     blocks_per_seq = context // bs
     tables = torch.randperm(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
@@ -183,7 +212,7 @@ def bench_prefill(args, timer: Timer, chunk: int) -> dict:
     from kernels.metadata import AttentionMetadata
     from kernels.triton.paged_attention_kernel import paged_attention
 
-    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    device, dtype = args.device, getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     blocks = -(-chunk // bs)
     tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(1, blocks)
@@ -219,14 +248,15 @@ def bench_prefill(args, timer: Timer, chunk: int) -> dict:
 
 def bench_small_kernels(args, timer: Timer) -> list[dict]:
     """The fused kernels against the reference on the same GPU tensors."""
-    return [row for tokens in (1, 64, 4096) for row in _small_kernel_rows(args, timer, tokens)]
+    token_counts = (1, 4) if args.dry_run else (1, 64, 4096)
+    return [row for tokens in token_counts for row in _small_kernel_rows(args, timer, tokens)]
 
 
 def _small_kernel_rows(args, timer: Timer, tokens: int) -> list[dict]:
     from kernels import reference
     from kernels import triton as triton_ops
 
-    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    device, dtype = args.device, getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     x = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
     residual = torch.randn_like(x)
@@ -279,6 +309,11 @@ PREFILL_COLUMNS = [
 SMALL_COLUMNS = [("kernel", "{}"), ("tokens", "{}"), ("us", "{:.1f}"), ("reference_us", "{:.1f}")]
 
 
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> None:
     print(f"\n{title}")
     cells = [[fmt.format(row[key]) if key in row else "-" for key, fmt in columns] for row in rows]
@@ -290,18 +325,25 @@ def print_table(title: str, rows: list[dict], columns: list[tuple[str, str]]) ->
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        # Before the first import of triton: its language helpers are bound at import.
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
         sys.exit("kernels/bench.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False).")
     import triton
     from tqdm import tqdm
 
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    timer = Timer(device)
-    copy_gbps = copy_bandwidth(timer, device)
-    batches = QUICK["batches"] if args.quick else DECODE_BATCHES
-    contexts = QUICK["contexts"] if args.quick else DECODE_CONTEXTS
-    chunks = QUICK["chunks"] if args.quick else PREFILL_CHUNKS
+    device = args.device
+    if args.dry_run:
+        name, timer = "cpu-dry-run", WallTimer()
+        copy_gbps = copy_bandwidth(timer, device, nbytes=1 << 20)
+    else:
+        name, timer = torch.cuda.get_device_name(device), Timer(device)
+        copy_gbps = copy_bandwidth(timer, device)
+    grid = DRY_RUN if args.dry_run else QUICK if args.quick else None
+    batches = grid["batches"] if grid else DECODE_BATCHES
+    contexts = grid["contexts"] if grid else DECODE_CONTEXTS
+    chunks = grid["chunks"] if grid else PREFILL_CHUNKS
     decode, skipped, prefill = [], [], []
     with tqdm(total=len(batches) * len(contexts) + len(chunks) + 1, desc="kernels", unit="case") as bar:
         for batch in batches:
@@ -312,12 +354,12 @@ def main(argv: list[str] | None = None) -> None:
                     skipped.append({"batch": batch, "context": context})
                 else:
                     decode.append(row)
-                torch.cuda.empty_cache()
+                empty_cache(device)
                 bar.update()
         for chunk in chunks:
             bar.set_postfix_str(f"prefill {chunk}")
             prefill.append(bench_prefill(args, timer, chunk))
-            torch.cuda.empty_cache()
+            empty_cache(device)
             bar.update()
         bar.set_postfix_str("rms_norm / rotary / write_kv")
         small = bench_small_kernels(args, timer)
@@ -342,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "device": name,
+        "dry_run": args.dry_run,
         "copy_bandwidth_gbps": copy_gbps,
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
         "shape": {k: getattr(args, k) for k in ("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size")},
