@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 import jsonschema
 import openai
@@ -117,6 +118,16 @@ def test_n_returns_n_choices_in_order(client):
     r = client.completions.create(model=MODEL, prompt=["a b", "c d"], n=2, max_tokens=3, temperature=0.0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text
+
+
+def test_n_choices_prefill_the_prompt_once(client):
+    # A prompt no earlier test sent: the first choice computes it, the other two take its full
+    # blocks (16 tokens each, the worker's default) from the prefix cache.
+    prompt = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(40))
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=2, temperature=0.0)
+    per_choice = r.usage.prompt_tokens // 3
+    assert per_choice > 48
+    assert r.usage.prompt_tokens_details.cached_tokens == 2 * ((per_choice - 1) // 16 * 16)
 
 
 def test_a_job_with_forced_tools_records_its_calls(api):

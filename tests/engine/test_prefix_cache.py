@@ -294,3 +294,18 @@ def test_cached_free_count_follows_every_change_of_the_pool():
     for request in live:
         kv.free(request)
     assert kv.usage([]).num_cached_free_blocks == counted(kv) == len(kv.cached)
+
+
+def test_a_prompt_shared_by_n_requests_is_prefilled_once_even_in_chunks(llama_dir):
+    # n choices (or a batch's common prompt) arrive as n requests. The first one's chunks take the
+    # step's whole budget until its prompt is done, and the blocks of each chunk enter the cache as
+    # it is scheduled, so the others are admitted only onto a fully cached prompt: each computes
+    # just the last partial block, never a chunk of its own.
+    engine = Engine(llama_dir, block_size=BS, kv_cache_bytes=64 * 2048, max_model_len=64, max_num_batched_tokens=16)
+    prompt = list(range(10, 50))  # 40 tokens: 3 chunks of at most 16, 10 full blocks
+    outputs = run(engine, {f"choice-{i}": prompt for i in range(3)}, max_tokens=3)
+    stats = engine.stats()
+    assert stats.prefix_cache_queries == 3 * 40
+    assert stats.prefix_cache_hits == 2 * 36  # 9 of 10 full blocks: the last prompt token is recomputed
+    assert sorted(cached for _, cached in outputs.values()) == [0, 36, 36]
+    assert len({tuple(tokens) for tokens, _ in outputs.values()}) == 1  # greedy: the same tokens each
