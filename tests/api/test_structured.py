@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -133,3 +134,73 @@ def test_a_schema_the_compiler_refuses_is_a_422_with_its_message(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
                                        extra_body={"structured_outputs": {"json": schema}})
     assert info.value.body["code"] == "invalid_structured_output"
+
+
+def _s(max_length: int = 8) -> dict:
+    return {"type": "string", "maxLength": max_length}
+
+
+# Twenty varied schemas: nested objects, arrays, enums, bounded numbers, required and optional fields.
+# Strings and arrays are bounded: a random-weight model never chooses to close an unbounded one.
+SCHEMAS = [
+    {"type": "object", "properties": {"a": _s()}, "required": ["a"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5}}, "required": ["n"]},
+    {"type": "object", "properties": {"flag": {"type": "boolean"}, "none": {"type": "null"}},
+     "required": ["flag", "none"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"kind": {"const": "point"},
+                                      "x": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["kind", "x"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": _s(4), "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"inner": {"type": "object", "properties": {"b": _s()}, "required": ["b"]}},
+     "required": ["inner"]},
+    {"type": "object", "properties": {"a": _s(), "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+     "required": ["a"]},  # b optional
+    {"type": "object", "properties": {"points": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x", "y"], "additionalProperties": False}}}, "required": ["points"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 3}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, _s(3)]}},
+     "required": ["v"]},
+    {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}, "label": _s(5)}, "required": ["level", "label"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "boolean"}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"matrix": {"type": "array", "maxItems": 2, "items": {
+        "type": "array", "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 1}}}},
+     "required": ["matrix"]},
+    {"type": "object", "properties": {"name": _s(6), "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                      "email": _s(10)}, "required": ["name", "age"]},
+    {"enum": ["yes", "no", "maybe"]},
+    {"type": "object", "properties": {"status": {"enum": ["ok", "error"]}, "code": {"type": "integer", "minimum": 100,
+                                      "maximum": 599}}, "required": ["status", "code"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "tags": {
+            "type": "array", "maxItems": 2, "items": {"enum": ["x", "y"]}}}, "required": ["id", "tags"]}}},
+     "required": ["items"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "reason": {"type": ["string", "null"], "maxLength": 4}},
+     "required": ["ok", "reason"]},
+    {"type": "object", "properties": {"a": {"enum": ["p", "q"]}, "b": {"enum": [True, False]}, "c": _s(2)},
+     "required": ["a", "b", "c"], "additionalProperties": False},
+]
+
+
+@pytest.mark.timeout(300)
+def test_twenty_varied_schemas_all_validate_on_a_random_model(client):
+    # On random weights only the grammar can make the output valid.
+    def ask(index_schema):
+        index, schema = index_schema
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{index}", "schema": schema, "strict": True}}
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, max_tokens=400,
+                                           temperature=0.0)
+        return schema, r.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, enumerate(SCHEMAS)))
+    assert len(SCHEMAS) == 20
+    for schema, choice in answers:
+        assert choice.finish_reason == "stop", (schema, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)

@@ -210,3 +210,31 @@ def test_a_request_whose_grammar_compiles_does_not_hold_up_others():
     out = scheduler.schedule()
     assert [r.request_id for r in out.requests] == ["p"]
     assert scheduler.waiting == [compiling]
+
+
+@pytest.mark.slow
+def test_twenty_schemas_validate_on_the_pretrained_smollm2(smollm2_dir):
+    # The real model: the grammar keeps it to the schema while it picks sensible values.
+    llm = LLM(str(smollm2_dir), max_model_len=512)
+    prompts = [f"Fill in JSON matching this schema: {json.dumps(schema)}\nJSON:" for schema in SCHEMAS]
+    outputs = llm.generate(prompts, [_json(schema) for schema in SCHEMAS], use_tqdm=False)
+    for schema, out in zip(SCHEMAS, outputs, strict=True):
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_json_numbers_have_bounded_length():
+    # Bounded so a model cannot write digits until max_tokens; every int64 and double still fits.
+    import xgrammar as xgr
+
+    from worker.engine.structured.manager import _json_grammar
+
+    grammar = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "array", "items": {"type": "number"}})))
+    integers = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "integer"})))
+    accepts = xgr.testing._is_grammar_accept_string
+    assert accepts(integers, "-9223372036854775808") and not accepts(integers, "12345678901234567890")
+    assert accepts(grammar, "[1.7976931348623157e308, -0.12345678901234567, 0]")
+    assert not accepts(grammar, "[0.123456789012345678]") and not accepts(grammar, "[1e1000]")
+    # A pattern's own digits are the user's: not bounded.
+    pattern = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "string", "pattern": "^[1-9][0-9]*$"})))
+    assert accepts(pattern, '"' + "9" * 40 + '"')

@@ -6,8 +6,10 @@ cached (LRU), so requests that share a schema share one compile, even while it r
 scheduler leaves a request waiting until its grammar is ready (`GrammarState.ready`), and the
 other requests keep stepping meanwhile.
 
-JSON grammars allow no free whitespace between tokens (`any_whitespace=False`): a weak model
-cannot spin on blanks until max_tokens, so every constrained output can complete.
+JSON grammars allow no free whitespace between tokens (`any_whitespace=False`) and numbers of
+bounded length (19 integer digits, 17 fraction digits, 3 exponent digits: every double and int64
+fits): a model cannot spin on blanks or on digits until max_tokens, so every constrained output can
+complete. (SmolLM2 given `{"type": "integer"}` otherwise writes 1000000... to the token limit.)
 """
 
 from __future__ import annotations
@@ -161,10 +163,25 @@ _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
+# ... and these rules of its numbers, unbounded there: (rule, unbounded part, bounded part).
+_NUMBER_RULES = (
+    ("basic_integer", "[1-9] [0-9]*", "[1-9] [0-9]{0, 18}"),  # an integer: 1 to 19 digits
+    ("basic_number_2", "[1-9] [0-9]*", "[1-9] [0-9]{0, 18}"),  # a number's integer part, likewise
+    ("basic_number_3", "basic_number_digits{1, -1}", "basic_number_digits{1, 17}"),  # its fraction
+    ("basic_number_5", "basic_number_digits{1, -1}", "basic_number_digits{1, 3}"),  # its exponent
+)
+
+
 def _json_grammar(schema: str) -> str:
     """The EBNF of a JSON schema, with no whitespace between tokens beyond one blank after ':'
-    and ',' (any_whitespace=False), and only characters JSON allows unescaped in its strings."""
-    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    and ',' (any_whitespace=False), numbers of bounded length, and only characters JSON allows
+    unescaped in its strings."""
+    lines = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).splitlines()
+    for rule, unbounded, bounded in _NUMBER_RULES:
+        lines = [
+            line.replace(unbounded, bounded) if line.startswith(rule + " ::= ") else line for line in lines
+        ]
+    text = "\n".join(lines)
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
