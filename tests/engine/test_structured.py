@@ -238,3 +238,17 @@ def test_json_numbers_have_bounded_length():
     # A pattern's own digits are the user's: not bounded.
     pattern = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "string", "pattern": "^[1-9][0-9]*$"})))
     assert accepts(pattern, '"' + "9" * 40 + '"')
+
+
+def test_json_strings_hold_neither_surrogates_nor_special_tokens(llm):
+    # A byte-level model's tokens can spell a UTF-8 surrogate (three bytes that decode to three
+    # U+FFFD) or be `<s>`/`<unk>`, which xgrammar took for five plain characters and the
+    # detokenizer drops: either way the text would no longer be what the grammar matched.
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 6, "maxItems": 6}
+    outputs = llm.generate([f"kill {i}: the quick brown fox" for i in range(8)], _json(schema), use_tqdm=False)
+    special = set(llm.tokenizer.all_special_ids)
+    for out in outputs:
+        assert out.finish_reason == "stop"
+        assert "\ufffd" not in out.text
+        assert not special & set(out.token_ids[:-1])  # only the final stop token
+        jsonschema.validate(json.loads(out.text), schema)

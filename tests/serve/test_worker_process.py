@@ -13,6 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+import jsonschema
 import pytest
 import redis
 
@@ -32,6 +33,7 @@ from tests.serve.conftest import (
     wait_terminal,
 )
 from worker.engine import LLM, SamplingParams
+from worker.engine.structured import StructuredOutputs
 from worker.protocol import (
     ErrorCode,
     JobRecord,
@@ -301,21 +303,41 @@ def _prompts(tag: str) -> list[str]:
     return [f"{tag} {i}: the quick brown fox" for i in range(8)]
 
 
+# Half the kill -9 test's jobs are held to a schema: a resumed job's matcher is advanced over the
+# tokens already streamed, so its output goes on as one valid JSON text, token for token the same.
+_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 6, "maxItems": 6}
+
+
 def test_kill9_mid_generation_resumes_without_gap(stack):
     c, k = stack.client, stack.keys
     prompts = _prompts("kill")
-    ids = [enqueue(c, k, prompt=p, max_tokens=120) for p in prompts]
-    victim, held = _holder_mid_generation(stack, ids, stack.spares)
+    constrained = {i for i in range(len(prompts)) if i % 2}
+    schema = {"structured_outputs": {"json": _SCHEMA}}
+    ids = [
+        enqueue(c, k, prompt=p, max_tokens=120, **(schema if i in constrained else {})) for i, p in enumerate(prompts)
+    ]
+    # The victim is a worker caught mid-generation on a constrained job.
+    victim, _ = _holder_mid_generation(stack, [ids[i] for i in sorted(constrained)], stack.spares)
+    held = [j for j in ids if record(c, k, j).worker_id == victim.worker_id]
     victim.kill9()
     stack.spares.remove(victim)
     recs = wait_terminal(c, k, ids, timeout=120)
-    refs = stack.reference(prompts, 120)
-    for job_id, rec, ref in zip(ids, recs, refs, strict=True):
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True,
+                       structured_outputs=StructuredOutputs(json=_SCHEMA)) if i in constrained else greedy_params
+        for i in range(len(prompts))
+    ]
+    refs = stack.llm.generate(prompts, params, use_tqdm=False)
+    for i, (job_id, rec, ref) in enumerate(zip(ids, recs, refs, strict=True)):
         evs = events(c, k, job_id)
         assert_seq(evs)
         assert rec.state is JobState.succeeded
         assert streamed_tokens(evs) == ref.token_ids and streamed_text(evs) == ref.text
         assert rec.text == ref.text and rec.token_ids == ref.token_ids
+        if i in constrained:
+            jsonschema.validate(json.loads(rec.text), _SCHEMA)
+    assert any(ids.index(j) in constrained for j in held)
     for job_id in held:
         rec = record(c, k, job_id)
         assert rec.attempts == 2 and rec.worker_id != victim.worker_id

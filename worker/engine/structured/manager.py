@@ -150,17 +150,45 @@ class StructuredOutputManager:
         # Built on first use, like tokenizer_key.
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
-                )
+                info = _tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
 
-# xgrammar 0.2.9 writes a string with minLength/maxLength as characters of this class, which lets
-# raw control characters (U+0000-U+001F) through; JSON allows none, and json.loads refuses them.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, with every special token of the tokenizer marked special.
+
+    xgrammar detects special tokens from the vocabulary alone and can miss some (a byte-level
+    tokenizer's `<s>` and `<unk>` read as five ordinary characters), which it would then allow
+    inside a JSON string; the detokenizer drops them from the text, so the text would no longer
+    be what the grammar matched. A token whose text is empty is special to xgrammar: never
+    allowed, stop tokens aside."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
+    }
+    missed = special - set(info.special_token_ids) - set(stop_token_ids)
+    if not missed:
+        return info
+    encoded = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size and index not in missed:
+            encoded[index] = token
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=info.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
+
+
+# xgrammar 0.2.9 writes a string's characters as one of these classes: with minLength/maxLength
+# the first, which lets raw control characters (U+0000-U+001F) through, and both let the UTF-8
+# encodings of surrogates (U+D800-U+DFFF, three bytes each) through. JSON allows neither raw in a
+# string; a byte-level model's tokens can spell a surrogate, which decodes to three U+FFFD.
+_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 # ... and these rules of its numbers, unbounded there: (rule, unbounded part, bounded part).
@@ -182,7 +210,9 @@ def _json_grammar(schema: str) -> str:
             line.replace(unbounded, bounded) if line.startswith(rule + " ::= ") else line for line in lines
         ]
     text = "\n".join(lines)
-    return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+    for loose in _STRING_CHARS:
+        text = text.replace(loose, _JSON_STRING_CHAR)
+    return text
 
 
 def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState, Sequence[int]]]) -> dict[int, str]:
