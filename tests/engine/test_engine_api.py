@@ -306,3 +306,32 @@ def test_logit_bias_must_be_this_models_and_in_range(llm):
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
                                                      logit_bias={9: 100.0}), use_tqdm=False)
     assert out.token_ids == [9] * 5
+
+
+def test_a_live_request_preempts_a_batch_one_and_both_keep_their_greedy_tokens(llama_dir):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {"batch0": list(range(3, 30)), "batch1": list(range(40, 61)), "live": list(range(70, 90))}
+    alone = {}
+    for request_id, prompt in prompts.items():
+        engine = Engine(llama_dir, max_num_seqs=2)
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                alone.setdefault(request_id, []).extend(out.new_token_ids)
+    engine = Engine(llama_dir, max_num_seqs=2)
+    engine.add_request("batch0", prompts["batch0"], params, priority=2)
+    engine.add_request("batch1", prompts["batch1"], params, priority=2)
+    tokens: dict[str, list[int]] = {}
+    first_live_token_step = None
+    for step in range(200):
+        if step == 3:
+            engine.add_request("live", prompts["live"], params, priority=0)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.request_id == "live" and first_live_token_step is None and out.new_token_ids:
+                first_live_token_step = step
+        if not engine.has_unfinished_requests():
+            break
+    assert first_live_token_step == 3  # admitted at once, not after a batch request finished
+    assert engine.stats().num_preemptions == 1
+    assert tokens == alone

@@ -153,3 +153,46 @@ def test_next_step_is_full_counts_only_what_a_prefix_hit_leaves_to_compute():
     assert sched.next_step_is_full()  # 1 + 7 = 8
     out = sched.schedule()
     assert _plan(out) == [("again", 1), ("other", 7)]
+
+
+def test_a_higher_priority_request_takes_the_slot_of_the_lowest_latest_running_one():
+    sched = _scheduler(max_num_seqs=2)
+    batch = [make_request(f"batch{i}", 3, priority=2) for i in range(2)]
+    for r in batch:
+        sched.add(r)
+    _advance(sched, sched.schedule())
+    sched.add(make_request("live", 3, priority=1))
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["batch1"]  # lowest priority, latest arrival
+    assert _plan(out) == [("batch0", 1), ("live", 3)]
+    assert batch[1].status is RequestStatus.WAITING and batch[1].num_computed_tokens == 0
+    # A peer of the live request takes the other batch slot, never the live one's.
+    sched.add(make_request("peer", 3, priority=1))
+    _advance(sched, out)
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["batch0"]
+    assert _plan(out) == [("live", 1), ("peer", 3)]
+    sched.add(make_request("third", 3, priority=1))
+    _advance(sched, out)
+    out = sched.schedule()
+    assert out.preempted == [] and _plan(out) == [("live", 1), ("peer", 1)]  # it waits for a slot
+
+
+def test_a_higher_priority_request_preempts_for_blocks_when_the_pool_is_short():
+    sched = _scheduler(num_blocks=4, block_size=4, max_num_seqs=8)
+    low = make_request("low", 12, priority=2)  # 3 of the 4 blocks
+    sched.add(low)
+    _advance(sched, sched.schedule())
+    sched.add(make_request("live", 8, priority=0))  # needs 2 blocks, 1 is free
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert _plan(out) == [("live", 8)]
+
+
+def test_a_lower_priority_request_never_preempts():
+    sched = _scheduler(max_num_seqs=1)
+    sched.add(make_request("live", 3, priority=0))
+    _advance(sched, sched.schedule())
+    sched.add(make_request("batch", 3, priority=2))
+    out = sched.schedule()
+    assert out.preempted == [] and _plan(out) == [("live", 1)]

@@ -5,6 +5,11 @@ up to `num_tokens - num_computed_tokens` tokens within `max_num_batched_tokens`.
 covers decode (1 token), chunked prefill (a slice of the prompt), prefix-cache hits (computed
 tokens start above 0), recompute after preemption and speculative verification (a decode plus
 its `request.spec.token_ids` proposals, whose slots are allocated but never prefix-cached).
+
+Priority is strict at admission too: a waiting request that finds every sequence slot (or the
+pool) taken sends the lowest-priority running request of a lower priority back to waiting, so a
+live request never waits behind a batch's. The victim's full blocks stay in the prefix cache, so
+taking it back up recomputes little more than its last partial block.
 """
 
 from __future__ import annotations
@@ -130,8 +135,11 @@ class Scheduler:
             index += 1
         # 2) Waiting requests by priority then arrival, only if nothing had to be preempted; a
         #    request whose grammar is still compiling is passed over (it holds no one up).
+        pool_was_short = bool(out.preempted)
+        if not pool_was_short and budget > 0:
+            budget += self._make_room_for_priority(out, budget)
         index = 0
-        while not out.preempted and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not pool_was_short and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
             if request.awaiting_grammar:
                 index += 1
@@ -152,6 +160,30 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> int:
+        """Preempt lower-priority running requests, lowest and latest first, until the
+        highest-priority waiting request has a sequence slot and the blocks for this step's
+        share of its prompt. Returns the budget given back."""
+        head = next((r for r in self.waiting if not r.awaiting_grammar), None)
+        if head is None:
+            return 0
+        prefix = self.kv.lookup_prefix(head)
+        num_new = min(head.num_tokens - prefix.num_tokens, budget)
+        # Blocks the admission takes from the free queue: new ones, and hit blocks sitting there.
+        needed = (
+            -(-(prefix.num_tokens + num_new) // self.kv.block_size)
+            - len(prefix.block_ids)
+            + sum(1 for b in prefix.block_ids if self.kv.ref_counts[b] == 0)
+            + self.watermark_blocks
+        )
+        given_back = 0
+        while len(self.running) >= self.max_num_seqs or needed > self.kv.num_free_blocks:
+            lower = [r for r in self.running if r.priority > head.priority]
+            if not lower:
+                break
+            given_back += self._preempt(max(lower, key=Request.sort_key), out)
+        return given_back
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Send a running request back to waiting (recompute later). Returns budget given back."""
