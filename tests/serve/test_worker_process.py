@@ -264,6 +264,22 @@ def test_priority_high_before_low(stack):
     assert recs[1].started_at <= recs[0].started_at
 
 
+def test_a_live_job_takes_a_batch_jobs_place_in_a_full_worker(stack):
+    c, k = stack.client, stack.keys
+    # Every slot of every worker holds a low-lane job with a long way to go.
+    batch = [enqueue(c, k, prompt=f"batch {i}", max_tokens=1000, priority="low") for i in range(12)]
+    wait_for(lambda: all(record(c, k, j).state is JobState.running for j in batch), 30, "all slots busy",
+             interval=0.005)
+    live = enqueue(c, k, prompt="live", max_tokens=4, priority="normal")
+    (rec,) = wait_terminal(c, k, [live], timeout=30)
+    assert rec.state is JobState.succeeded
+    assert all(not record(c, k, j).terminal for j in batch)  # it did not wait for a batch job to end
+    for j in batch:
+        cancel_job(c, k, j)
+    for r in wait_terminal(c, k, batch, timeout=60):
+        assert r.state is JobState.cancelled
+
+
 def test_http_health_ready_metrics(stack):
     port = stack.main.http_port
     base = f"http://127.0.0.1:{port}"

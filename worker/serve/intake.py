@@ -2,7 +2,8 @@
 
 - `read`: XREADGROUP on the served model's queue streams, high before normal before low, never
   more entries than the engine has room for (the rest wait in Redis, visible to other workers
-  and the autoscaler).
+  and the autoscaler); `live_only` reads the high and normal streams alone, for the room a
+  worker full of low-lane jobs keeps for live ones (their requests preempt the batch's).
 - `reap`: XAUTOCLAIM entries whose lease ran out (their worker died) on the same streams.
 - `prepare`: per delivered entry, read the job hash and its event stream in one round trip and
   decide: skip (already terminal), fail (malformed envelope, unknown job, bad request, too many
@@ -24,6 +25,7 @@ import redis
 from pydantic import ValidationError
 
 from worker.protocol import (
+    PRIORITIES,
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
     CancelledEvent,
@@ -85,6 +87,7 @@ class Consumer:
         self.worker_id = worker_id
         self.model = settings.served_model_name
         self.streams = keys.queues(self.model)
+        self.live_streams = [keys.queue(self.model, p) for p in PRIORITIES if p != "low"]
         self._start = client.register_script(lua.START)
         self._read = client.register_script(lua.READ)
         self._renew = client.register_script(lua.RENEW)
@@ -101,26 +104,28 @@ class Consumer:
 
     # --- taking entries ------------------------------------------------------------------------
 
-    def read(self, room: int, block_ms: int) -> list[Delivery]:
-        """Up to `room` new entries, strictly by priority; blocks up to `block_ms` when all are empty."""
-        out = self._read_by_priority(room)
+    def read(self, room: int, block_ms: int, live_only: bool = False) -> list[Delivery]:
+        """Up to `room` new entries, strictly by priority (of the high and normal streams alone
+        with `live_only`); blocks up to `block_ms` when all are empty."""
+        streams = self.live_streams if live_only else self.streams
+        out = self._read_by_priority(room, streams)
         if out or block_ms <= 0:
             return out
-        out = self._xreadgroup(dict.fromkeys(self.streams, ">"), count=1, block=block_ms)
+        out = self._xreadgroup(dict.fromkeys(streams, ">"), count=1, block=block_ms)
         # Whatever else arrived with it, then the lot in priority order. A client's batch can reach
         # Redis in several reads (its pipeline is processed in chunks, and the blocked read is
         # served after the first), so read until nothing more comes: jobs sent together then
         # share their first step instead of the rest waiting a whole step behind the first few.
         while out and len(out) < room:
-            more = self._read_by_priority(room - len(out))
+            more = self._read_by_priority(room - len(out), streams)
             if not more:
                 break
             out += more
         out.sort(key=lambda d: self.streams.index(d.stream))
         return out
 
-    def _read_by_priority(self, room: int) -> list[Delivery]:
-        read, missing = self._read(keys=self.streams, args=[self.keys.group, self.worker_id, room])
+    def _read_by_priority(self, room: int, streams: list[str]) -> list[Delivery]:
+        read, missing = self._read(keys=streams, args=[self.keys.group, self.worker_id, room])
         if missing:
             self.ensure_groups()
         return [

@@ -41,6 +41,7 @@ log = logging.getLogger("ferry.worker")
 
 MODEL_LIMITS_TTL_S = 7 * 86400  # a model scaled to zero keeps its limits known to the API this long
 _FIRST_CHUNK = 8  # jobs of a burst decided and started first, so the engine can start stepping early
+_LIVE_ONLY_BLOCK_MS = 50  # blocking read for live jobs while every slot holds a low-lane one
 _HAND_BACK_WAIT_S = 10.0  # how long a drain waits for hand-backs to reach Redis before leaving them to the reaper
 
 
@@ -73,6 +74,7 @@ class Worker:
         self._intake_thread: threading.Thread | None = None
         self.fingerprint = ""
         self.consumer = Consumer(self.client, self.keys, settings, self.worker_id)
+        self._low_stream = self.keys.queue(settings.served_model_name, "low")
         self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s)
         self.publisher_thread = PublisherThread(
             self.publisher, self._on_written, self.stop, settings.redis_backoff_max_s
@@ -217,11 +219,19 @@ class Worker:
 
     # --- intake --------------------------------------------------------------------------------
 
-    def _room_now(self) -> int:
+    def _room_now(self) -> tuple[int, int]:
+        """(room for jobs of any lane, room for high and normal jobs alone). Live jobs may take
+        the place of low-lane ones the worker holds (the engine preempts the batch's requests for
+        theirs), up to max_num_seqs live jobs in all."""
+        held = list(self.leases.values())
+        held_low = sum(d.stream == self._low_stream for d in held)
+        max_num_seqs = self.settings.engine.max_num_seqs
+        live_room = min(max_num_seqs - (len(held) - held_low), held_low)
         stats = self.runner.stats
         if stats is not None and stats.num_waiting > 0:
-            return 0  # the engine is short of KV: let the queue hold the work
-        return self.settings.engine.max_num_seqs - len(self.leases)
+            return 0, live_room  # the engine is short of KV: let the queue hold the work
+        room = max_num_seqs - len(held)
+        return room, max(room, live_room)
 
     def _intake(self) -> None:
         s = self.settings
@@ -235,18 +245,24 @@ class Worker:
                     self._backoff("renew leases", self.draining, self._renew)
                     next_renew = now + s.lease_renew_interval_s
                 self._room.clear()
-                room = self._room_now()
-                if room <= 0:
+                room, live_room = self._room_now()
+                if live_room <= 0:
                     self._room.wait(min(0.1, max(0.0, next_renew - now)))
                     continue
                 deliveries: list[Delivery] = []
-                if now >= next_reap:
+                if room > 0 and now >= next_reap:
                     held = {d.entry_id for d in list(self.leases.values())}
                     deliveries = self._backoff("reap", self.draining, self.consumer.reap, room, held)
                     next_reap = now + s.reaper_interval_s
                 if not deliveries:
                     block_ms = int(min(s.read_block_ms, 1000 * max(0.001, min(next_renew, next_reap) - now)))
-                    deliveries = self._backoff("read queue", self.draining, self.consumer.read, room, block_ms)
+                    # Full of low-lane jobs: read live ones only, which take the batch's places,
+                    # in short blocks, so a slot a batch job frees is soon filled again.
+                    live_only = room <= 0
+                    if live_only:
+                        block_ms = min(block_ms, _LIVE_ONLY_BLOCK_MS)
+                    deliveries = self._backoff("read queue", self.draining, self.consumer.read,
+                                               live_room if live_only else room, block_ms, live_only)
                 if deliveries:
                     self._take_safely(deliveries)
         except Stopped:
