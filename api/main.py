@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from api.auth import KeyRing
 from api.batch_driver import BatchDriver
 from api.errors import BodyLimitMiddleware, install_error_handlers
+from api.ratelimit import RateLimitHeaders
 from api.routes import batches, files, health, jobs, openai
 from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
@@ -101,6 +102,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     uploads = frozenset({("POST", "/v1/files")})  # limited by max_file_bytes as they stream in
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, streamed=uploads)
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(jobs.router)
     app.include_router(openai.router)

@@ -20,19 +20,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from api.auth import KeyRing
 from api.errors import ApiError, not_found
+from api.joblist import index_job
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
 from worker.protocol import (
     EnqueueResult,
     JobRecord,
     JobRequest,
+    JobState,
     Keys,
     UnreadableRecord,
+    cancel_job_async,
     enqueue_job_async,
     job_id_created_at,
+    new_job_id,
 )
 from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
 from worker.protocol.keys import watch_value
+from worker.protocol.usage import account_job_async
 
 MODEL_CACHE_S = 1.0
 _RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is refused
@@ -201,6 +206,15 @@ async def redis_started_at(svc: Services) -> float:
     return started
 
 
+async def cancel_job(svc: Services, job_id: str) -> JobState | None:
+    """Request a job's cancellation (`cancel_job_async`); a job it cancels while still queued ends
+    here, so it is counted here too (`worker.protocol.usage`; counting twice adds nothing)."""
+    state = await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
+    if state == JobState.cancelled:
+        await account_job_async(svc.redis, svc.keys, job_id, svc.settings.result_ttl_s)
+    return state
+
+
 def _same_request(a: JobRequest, b: JobRequest) -> bool:
     return a.model_dump(exclude={"created_at"}) == b.model_dump(exclude={"created_at"})
 
@@ -241,8 +255,10 @@ async def check_webhook_url(svc: Services, url: str, field: str = "webhook.url")
         raise ApiError(422, "webhook_refused", f"{field}: cannot resolve the host ({exc})", field=field) from None
 
 
-async def submit(svc: Services, request: JobRequest, idempotency_key: str | None, source: str) -> EnqueueResult:
-    """Enqueue `request` (already routed to a model and stamped with its tenant)."""
+async def submit(svc: Services, request: JobRequest, idempotency_key: str | None, source: str,
+                 reservation: tuple[str, int] | None = None) -> EnqueueResult:
+    """Enqueue `request` (already routed to a model and stamped with its tenant, admitted by its
+    rate limit with `reservation`: api.ratelimit)."""
     if idempotency_key is not None:
         known = await svc.redis.get(svc.keys.idempotency(request.tenant, idempotency_key))
         if known is not None:
@@ -250,8 +266,11 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
     if request.webhook is not None:
         await check_webhook_url(svc, request.webhook.url)
     await _check_queue(svc, request.model)
+    job_id = new_job_id(request.created_at)
+    await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
     result = await enqueue_job_async(
-        svc.redis, svc.keys, request, idempotency_key=idempotency_key, idempotency_ttl_s=svc.settings.idempotency_ttl_s
+        svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
+        idempotency_ttl_s=svc.settings.idempotency_ttl_s, reservation=reservation,
     )
     if not result.created:  # lost a race with the same key
         return await _replay(svc, request, result.job_id)
