@@ -40,6 +40,10 @@ class KeyRing:
     def parse(cls, spec: str | None = None, file: str | None = None) -> KeyRing:
         return cls(KeyConfig.parse(spec, file))
 
+    def tenant_names(self) -> list[str]:
+        """Every tenant a key names, sorted (the open tenant alone in open mode)."""
+        return sorted(self.config.tenants) if not self.open else [OPEN_TENANT]
+
     def tenant(self, name: str) -> TenantConfig:
         """The tenant's limits and webhook secrets (none for the open tenant)."""
         return self.config.tenant(name)

@@ -17,7 +17,7 @@ from api.auth import KeyRing
 from api.batch_driver import BatchDriver
 from api.errors import BodyLimitMiddleware, install_error_handlers
 from api.ratelimit import RateLimitHeaders
-from api.routes import batches, files, health, jobs, openai
+from api.routes import admin, batches, files, health, jobs, openai, usage
 from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
@@ -78,7 +78,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             keys=Keys(settings.key_prefix),
             hub=hub,
             keyring=keyring,
-            metrics=ApiMetrics(lambda: hub.num_followers),
+            metrics=ApiMetrics(lambda: hub.num_followers, keyring.tenant_names(), settings.usage_metrics_tenants),
             configured_models=configured,
         )
         app.state.files_store = open_store(settings.files_url)
@@ -108,6 +108,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(usage.router)
+    app.include_router(admin.router)
     app.include_router(health.router)
     return app
 

@@ -23,6 +23,7 @@ from api.errors import ApiError, not_found
 from api.joblist import index_job
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
+from api.usage import TenantUsageMetrics
 from worker.protocol import (
     EnqueueResult,
     JobRecord,
@@ -46,8 +47,10 @@ _RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is 
 class ApiMetrics:
     """The API's Prometheus metrics, in their own registry (one per app)."""
 
-    def __init__(self, open_streams):
+    def __init__(self, open_streams, tenants: list[str] = (), labelled_tenants: int = 0):
         self.registry = CollectorRegistry()
+        self.tenant_usage = TenantUsageMetrics(list(tenants), labelled_tenants)
+        self.registry.register(self.tenant_usage)
         self.requests = Counter(
             "ferry_api_requests", "HTTP requests answered", ["method", "route", "status"], registry=self.registry
         )
