@@ -60,7 +60,7 @@ def http(url: str, key: str) -> httpx.Client:
 
 
 def submit(client: httpx.Client, **inp) -> httpx.Response:
-    return client.post("/v1/jobs", json={"input": {"prompt": "The quick brown fox", "max_tokens": 4,
+    return client.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4,
                                                    "temperature": 0} | inp})
 
 
@@ -140,7 +140,7 @@ def test_requests_per_minute_hold_across_two_api_processes(tstack):
 
     def call(i: int) -> None:
         url = tstack.url if i % 2 else tstack.url2
-        path, body = (("/v1/jobs", {"input": {"prompt": "hi", "max_tokens": 2}}) if i % 3 else
+        path, body = (("/v1/jobs", {"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2}}) if i % 3 else
                       ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}))
         with http(url, KEY_LIMITED) as client:
             r = client.post(path, json=body)
@@ -217,9 +217,9 @@ def test_usage_counts_ended_jobs_for_the_caller_and_on_metrics(tstack):
 
 def test_a_tenants_own_secrets_both_sign_its_webhooks(tstack, receiver):  # noqa: F811
     with http(tstack.url, KEY_HOOKS) as api, http(tstack.url, KEY_A) as a:
-        r = api.post("/v1/jobs", json={"input": {"prompt": "hi", "max_tokens": 2},
+        r = api.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
                                        "webhook": {"url": receiver.base + "/hooks", "events": ["job.completed"]}})
-        r_a = a.post("/v1/jobs", json={"input": {"prompt": "hi", "max_tokens": 2},
+        r_a = a.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
                                        "webhook": {"url": receiver.base + "/plain", "events": ["job.completed"]}})
         assert r.status_code == r_a.status_code == 202
         [got] = receiver.wait_for(1, path="/hooks")
