@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
@@ -259,9 +260,11 @@ async def check_webhook_url(svc: Services, url: str, field: str = "webhook.url")
 
 
 async def submit(svc: Services, request: JobRequest, idempotency_key: str | None, source: str,
-                 reservation: tuple[str, int] | None = None) -> EnqueueResult:
-    """Enqueue `request` (already routed to a model and stamped with its tenant, admitted by its
-    rate limit with `reservation`: api.ratelimit)."""
+                 reservation: tuple[str, int] | None = None,
+                 admission: Callable[[], Awaitable[tuple[str, int] | None]] | None = None) -> EnqueueResult:
+    """Enqueue `request` (already routed to a model and stamped with its tenant). Its rate-limit
+    reservation (api.ratelimit) is `reservation`, or what `admission` takes once the request is
+    known to be new (an idempotent replay takes nothing) and the queue has room."""
     if idempotency_key is not None:
         known = await svc.redis.get(svc.keys.idempotency(request.tenant, idempotency_key))
         if known is not None:
@@ -269,6 +272,8 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
     if request.webhook is not None:
         await check_webhook_url(svc, request.webhook.url)
     await _check_queue(svc, request.model)
+    if admission is not None:
+        reservation = await admission()
     job_id = new_job_id(request.created_at)
     await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
     result = await enqueue_job_async(

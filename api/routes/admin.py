@@ -45,7 +45,8 @@ async def list_dlq(svc: Svc, after: Annotated[str | None, Query(pattern=_ENTRY_I
     for _, fields in entries[:limit]:
         pipe.hget(svc.keys.job(fields.get("job_id") or "-"), "tenant")
     tenants = await pipe.execute() if entries else []
-    data = [_entry_json(entry_id, fields, owner) for (entry_id, fields), owner in zip(entries, tenants, strict=False)]
+    data = [_entry_json(entry_id, fields, owner)
+            for (entry_id, fields), owner in zip(entries[:limit], tenants, strict=True)]
     return {"object": "list", "data": data, "has_more": len(entries) > limit,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 

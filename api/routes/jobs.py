@@ -139,8 +139,11 @@ async def create_job(
     model = await resolve_model(svc, body.input.model, field="input.model")
     request = job_request(body, model, tenant_name, svc)
     await check_against_model(svc, request, prefix="input.")
-    [reservation] = await admit_jobs(svc, http.state, tenant_name, [request])
-    result = await submit(svc, request, idempotency_key, source="jobs", reservation=reservation)
+    async def admission() -> tuple[str, int] | None:
+        [reservation] = await admit_jobs(svc, http.state, tenant_name, [request])
+        return reservation
+
+    result = await submit(svc, request, idempotency_key, source="jobs", admission=admission)
     wait_s = _prefer_wait(prefer, svc.settings.max_wait_s)
     if wait_s > 0:
         await wait_until_terminal(svc, result.job_id, wait_s)
