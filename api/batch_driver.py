@@ -71,17 +71,14 @@ class _Reader:
     def __init__(self, lines: AsyncIterator[tuple[int, bytes]], cursor: int) -> None:
         self.lines, self.cursor = lines, cursor
         self.exhausted = False
-        self.held: tuple[int, bytes] | None = None
+        self.held: list[tuple[int, bytes]] = []  # taken from the file, not yet enqueued
 
-    def hold(self, number: int, raw: bytes) -> None:
-        """Keep a line taken but not enqueued (over the rate limit) for the next `take`."""
-        self.held = (number, raw)
+    def hold(self, lines: list[tuple[int, bytes]]) -> None:
+        """Keep lines taken but not enqueued (over the rate limit), in order, for the next `take`."""
+        self.held = lines + self.held
 
     async def take(self, n: int) -> list[tuple[int, bytes]]:
-        out: list[tuple[int, bytes]] = []
-        if self.held is not None and n > 0:
-            out.append(self.held)
-            self.held = None
+        out, self.held = self.held[:n], self.held[n:]
         while len(out) < n and not self.exhausted:
             try:
                 number, raw = await anext(self.lines)
@@ -256,7 +253,8 @@ class BatchDriver:
         ttl_s = float(raw["expires_at"]) - time.time()
         added: dict[int, list] = {}
         failed: list[str] = []
-        for number, line in await reader.take(self.settings.batch_backlog - len(inflight)):
+        taken = await reader.take(self.settings.batch_backlog - len(inflight))
+        for index, (number, line) in enumerate(taken):
             try:
                 parsed = await parse_line(self.svc, raw["tenant"], batch_id, raw["endpoint"], number, line, ttl_s)
                 tokens = await estimate_tokens(self.svc, parsed.job)
@@ -266,8 +264,8 @@ class BatchDriver:
                 failed.append(unanswered_line(json.loads(line).get("custom_id", ""), exc.code, exc.message))
                 continue
             except RateLimited as exc:
-                if not exc.too_large:  # over the batch budget for now: this line goes first next tick
-                    reader.hold(number, line)
+                if not exc.too_large:  # over the batch budget for now: this line and the rest go first next tick
+                    reader.hold(taken[index:])
                     break
                 reader.cursor = number  # larger than the whole budget: it can never run
                 failed.append(unanswered_line(parsed.custom_id, exc.code, exc.message))
@@ -280,7 +278,7 @@ class BatchDriver:
                 idempotency_ttl_s=int(ttl_s) + 86400, batch_line=(batch_id, parsed.custom_id),
                 reservation=(admission.budget, tokens) if admission.budget else None)
             added[number] = [result.job_id, parsed.custom_id, raw["endpoint"] == "/v1/chat/completions"]
-        if reader.exhausted and reader.held is None:
+        if reader.exhausted and not reader.held:
             reader.cursor = int(raw["last_line"])
         writes = [["HSET", "batch", "cursor", reader.cursor]]
         if added:

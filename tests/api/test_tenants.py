@@ -4,6 +4,7 @@ API processes, usage, per-tenant webhook secrets, the admin DLQ routes."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 
@@ -14,13 +15,13 @@ import redis
 from tests.api.conftest import KEY_A, KEY_B, REDIS_URL, free_port, wait_until
 from tests.api.test_batches import BatchStack, chat_line, upload, wait_final
 from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)
-from worker.protocol import JobRequest, Keys, enqueue_job
+from worker.protocol import Envelope, JobRecord, JobRequest, Keys, new_job_id
 from worker.webhooks.signing import InvalidSignature, new_secret, verify
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
-KEY_LIMITED, KEY_TOKENS, KEY_HOOKS, KEY_USAGE, KEY_ADMIN = (
-    f"sk-ferrytest-{name}" for name in ("limited", "tokens", "hooks", "usage", "admin"))
+KEY_LIMITED, KEY_TOKENS, KEY_HOOKS, KEY_USAGE, KEY_ADMIN, KEY_SLOW, KEY_ONCE = (
+    f"sk-ferrytest-{name}" for name in ("limited", "tokens", "hooks", "usage", "admin", "slow", "once"))
 HOOK_SECRETS = (new_secret(), new_secret())  # the old and the new secret during a rotation
 IDLE = "idle"  # a model accepted (FERRY_MODELS) that no worker serves: its jobs stay queued
 
@@ -37,6 +38,8 @@ KEYS_SETTING = ",".join([
     _entry(KEY_HOOKS, f"tenant-hooks;webhook_secret={HOOK_SECRETS[0]};webhook_secret={HOOK_SECRETS[1]}"),
     _entry(KEY_USAGE, "tenant-usage"),
     _entry(KEY_ADMIN, "ops;admin=true"),
+    _entry(KEY_SLOW, "tenant-slow;batch_rpm=30"),
+    _entry(KEY_ONCE, "tenant-once;rpm=1"),
 ])
 
 
@@ -194,6 +197,33 @@ def test_reserved_tokens_are_given_back_when_the_job_ends_and_batches_have_their
         assert third.status_code == 202, third.text
 
 
+def test_batch_lines_over_the_batch_budget_wait_and_all_run_once(tstack):
+    """30 lines pass at once, the last 2 wait for the refill (one per 2 s): none lost, none twice."""
+    with tstack.client(KEY_SLOW) as client:
+        lines = [chat_line(f"s{i}", "hi", max_tokens=2) for i in range(32)]
+        started = time.monotonic()
+        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        done = wait_final(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 32
+        assert time.monotonic() - started >= 3.5
+        outputs = client.files.content(done.output_file_id).text.splitlines()
+        assert sorted(json.loads(line)["custom_id"] for line in outputs) == sorted(f"s{i}" for i in range(32))
+
+
+def test_an_idempotent_replay_takes_no_budget(tstack):
+    with http(tstack.url, KEY_ONCE) as api:
+        first = api.post("/v1/jobs", headers={"Idempotency-Key": "k1"},
+                         json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2}})
+        again = api.post("/v1/jobs", headers={"Idempotency-Key": "k1"},
+                         json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2}})
+        assert first.status_code == again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
+        assert again.json()["id"] == first.json()["id"]
+        other = api.post("/v1/jobs", headers={"Idempotency-Key": "k2"},
+                         json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2}})
+        assert other.status_code == 429 and other.json()["error"]["code"] == "rate_limit_exceeded"
+
+
 def test_usage_counts_ended_jobs_for_the_caller_and_on_metrics(tstack):
     with http(tstack.url, KEY_USAGE) as api, http(tstack.url, KEY_A) as a:
         jobs = [wait_done(api, submit(api, max_tokens=3 + i).json()["id"]) for i in range(2)]
@@ -236,8 +266,10 @@ def test_a_tenants_own_secrets_both_sign_its_webhooks(tstack, receiver):  # noqa
 def test_admin_lists_and_requeues_dead_lettered_jobs_and_others_get_403(tstack):
     keys, rdb = Keys(tstack.prefix), redis.Redis.from_url(REDIS_URL, decode_responses=True)
     request = JobRequest(model="tiny", prompt="poison", max_tokens=3, tenant="tenant-a", metadata={"k": "v"})
-    job_id = enqueue_job(rdb, keys, request, job_id=None).job_id
-    rdb.hset(keys.job(job_id), "attempts", 1000)  # delivered too often already: the worker dead-letters it
+    job_id = new_job_id()
+    # Written as the enqueue script writes it, but delivered too often already: the worker dead-letters it.
+    rdb.hset(keys.job(job_id), mapping=JobRecord.new(job_id, request).to_redis() | {"attempts": "1000"})
+    rdb.xadd(keys.queue("tiny", "normal"), Envelope(job_id=job_id).to_fields())
     with http(tstack.url, KEY_ADMIN) as admin, http(tstack.url, KEY_A) as a:
         assert wait_done(a, job_id)["error"]["code"] == "max_attempts_exceeded"
         for method, path in (("GET", "/v1/admin/dlq"), ("POST", f"/v1/admin/dlq/{job_id}/requeue")):
