@@ -1,9 +1,9 @@
 """Bearer API keys mapped to tenants.
 
-Keys are configured only as sha256 hex digests ("<sha256hex>:<tenant>", comma-separated in
-FERRY_API_KEYS or one per line in FERRY_API_KEYS_FILE), so the API never holds a usable key.
-With no keys configured the API is open: every caller is the tenant `OPEN_TENANT`, and
-start-up says so loudly.
+Keys are configured only as sha256 hex digests ("<sha256hex>:<tenant>[;option=value...]",
+comma-separated in FERRY_API_KEYS or one per line in FERRY_API_KEYS_FILE; the options are
+`worker.protocol.tenants`'), so the API never holds a usable key. With no keys configured the
+API is open: every caller is the tenant `OPEN_TENANT`, and start-up says so loudly.
 """
 
 from __future__ import annotations
@@ -12,63 +12,60 @@ import hashlib
 import hmac
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import ApiError
+from worker.protocol.tenants import KeyConfig, KeyEntry, TenantConfig, hash_key
 
 log = logging.getLogger("ferry.api")
 
 OPEN_TENANT = "public"
+__all__ = ["OPEN_TENANT", "KeyRing", "hash_key"]
 
 
 @dataclass(frozen=True, slots=True)
 class KeyRing:
-    """sha256 hex of an API key -> tenant. Empty means open mode."""
+    """The key configuration as the API checks it. No keys means open mode."""
 
-    tenants: dict[str, str]
+    config: KeyConfig
 
     @property
     def open(self) -> bool:
-        return not self.tenants
+        return not self.config.keys
 
     @classmethod
     def parse(cls, spec: str | None = None, file: str | None = None) -> KeyRing:
-        entries: list[str] = []
-        if spec:
-            entries += spec.split(",")
-        if file:
-            entries += Path(file).read_text().splitlines()
-        tenants: dict[str, str] = {}
-        for raw in entries:
-            entry = raw.strip()
-            if not entry or entry.startswith("#"):
-                continue
-            digest, sep, tenant = entry.partition(":")
-            digest, tenant = digest.strip().lower(), tenant.strip()
-            if not sep or not tenant or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise ValueError(f"API key entry {entry[:12]!r}…: expected '<sha256 hex>:<tenant>'")
-            tenants[digest] = tenant
-        return cls(tenants)
+        return cls(KeyConfig.parse(spec, file))
 
-    def tenant_for(self, token: str | None) -> str:
-        """The tenant for a bearer token; ApiError 401 when missing or wrong."""
+    def tenant_names(self) -> list[str]:
+        """Every tenant a key names, sorted (the open tenant alone in open mode)."""
+        return sorted(self.config.tenants) if not self.open else [OPEN_TENANT]
+
+    def tenant(self, name: str) -> TenantConfig:
+        """The tenant's limits and webhook secrets (none for the open tenant)."""
+        return self.config.tenant(name)
+
+    def entry_for(self, token: str | None) -> KeyEntry:
+        """Whose a bearer token is; ApiError 401 when missing or wrong."""
         if self.open:
-            return OPEN_TENANT
+            return KeyEntry(OPEN_TENANT)
         if not token:
             raise _unauthorized("missing bearer API key (Authorization: Bearer <key>)")
         digest = hashlib.sha256(token.encode()).hexdigest()
         # Compare against every configured digest so timing does not reveal near misses.
-        tenant = None
-        for known, owner in self.tenants.items():
+        found = None
+        for known, entry in self.config.keys.items():
             if hmac.compare_digest(known, digest):
-                tenant = owner
-        if tenant is None:
+                found = entry
+        if found is None:
             raise _unauthorized("invalid API key")
-        return tenant
+        return found
+
+    def tenant_for(self, token: str | None) -> str:
+        return self.entry_for(token).tenant
 
     def announce(self) -> None:
         if self.open:
@@ -79,12 +76,7 @@ class KeyRing:
                 banner, OPEN_TENANT, banner,
             )
         else:
-            log.info("API keys loaded for %d key(s), %d tenant(s)", len(self.tenants), len(set(self.tenants.values())))
-
-
-def hash_key(key: str) -> str:
-    """The digest to put in FERRY_API_KEYS for a key handed to a client."""
-    return hashlib.sha256(key.encode()).hexdigest()
+            log.info("API keys loaded for %d key(s), %d tenant(s)", len(self.config.keys), len(self.config.tenants))
 
 
 def _unauthorized(message: str) -> ApiError:
@@ -95,9 +87,21 @@ def _unauthorized(message: str) -> ApiError:
 _bearer = HTTPBearer(auto_error=False)
 
 
-async def tenant(
+async def caller(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> str:
-    """FastAPI dependency: the calling tenant (async: a sync dependency costs a threadpool hop)."""
+) -> KeyEntry:
+    """FastAPI dependency: the calling key's entry (async: a sync dependency costs a threadpool hop)."""
     token = credentials.credentials.strip() if credentials else None
-    return request.app.state.keyring.tenant_for(token)
+    return request.app.state.keyring.entry_for(token)
+
+
+async def tenant(entry: Annotated[KeyEntry, Depends(caller)]) -> str:
+    """FastAPI dependency: the calling tenant."""
+    return entry.tenant
+
+
+async def admin(entry: Annotated[KeyEntry, Depends(caller)]) -> KeyEntry:
+    """FastAPI dependency: the calling key, which must be an admin key (403 `admin_required`)."""
+    if not entry.admin:
+        raise ApiError(403, "admin_required", "this route needs an admin API key (admin=true in its configuration)")
+    return entry

@@ -49,8 +49,10 @@ from api.batches import (
 )
 from api.errors import ApiError
 from api.files import Upload, get_record, store_upload
-from api.services import Services
-from worker.protocol import JobRecord, UnreadableRecord, cancel_job_async, enqueue_job_async, lua
+from api.joblist import index_job
+from api.ratelimit import RateLimited, admit, estimate_tokens
+from api.services import Services, cancel_job
+from worker.protocol import JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id
 from worker.protocol.objectstore import ObjectStore
 
 log = logging.getLogger("ferry.api.batches")
@@ -69,9 +71,14 @@ class _Reader:
     def __init__(self, lines: AsyncIterator[tuple[int, bytes]], cursor: int) -> None:
         self.lines, self.cursor = lines, cursor
         self.exhausted = False
+        self.held: list[tuple[int, bytes]] = []  # taken from the file, not yet enqueued
+
+    def hold(self, lines: list[tuple[int, bytes]]) -> None:
+        """Keep lines taken but not enqueued (over the rate limit), in order, for the next `take`."""
+        self.held = lines + self.held
 
     async def take(self, n: int) -> list[tuple[int, bytes]]:
-        out: list[tuple[int, bytes]] = []
+        out, self.held = self.held[:n], self.held[n:]
         while len(out) < n and not self.exhausted:
             try:
                 number, raw = await anext(self.lines)
@@ -246,18 +253,32 @@ class BatchDriver:
         ttl_s = float(raw["expires_at"]) - time.time()
         added: dict[int, list] = {}
         failed: list[str] = []
-        for number, line in await reader.take(self.settings.batch_backlog - len(inflight)):
-            reader.cursor = number
+        taken = await reader.take(self.settings.batch_backlog - len(inflight))
+        for index, (number, line) in enumerate(taken):
             try:
                 parsed = await parse_line(self.svc, raw["tenant"], batch_id, raw["endpoint"], number, line, ttl_s)
+                tokens = await estimate_tokens(self.svc, parsed.job)
+                admission = await admit(self.svc, raw["tenant"], "batch", tokens)
             except LineError as exc:  # valid at validation, not now (say, the model is no longer served)
+                reader.cursor = number
                 failed.append(unanswered_line(json.loads(line).get("custom_id", ""), exc.code, exc.message))
                 continue
+            except RateLimited as exc:
+                if not exc.too_large:  # over the batch budget for now: this line and the rest go first next tick
+                    reader.hold(taken[index:])
+                    break
+                reader.cursor = number  # larger than the whole budget: it can never run
+                failed.append(unanswered_line(parsed.custom_id, exc.code, exc.message))
+                continue
+            reader.cursor = number
+            job_id = new_job_id(parsed.job.created_at)
+            await index_job(self.redis, self.keys, self.settings, parsed.job.tenant, job_id)
             result = await enqueue_job_async(
-                self.redis, self.keys, parsed.job, idempotency_key=f"batch:{batch_id}:{number}",
-                idempotency_ttl_s=int(ttl_s) + 86400, batch_line=(batch_id, parsed.custom_id))
+                self.redis, self.keys, parsed.job, job_id=job_id, idempotency_key=f"batch:{batch_id}:{number}",
+                idempotency_ttl_s=int(ttl_s) + 86400, batch_line=(batch_id, parsed.custom_id),
+                reservation=(admission.budget, tokens) if admission.budget else None)
             added[number] = [result.job_id, parsed.custom_id, raw["endpoint"] == "/v1/chat/completions"]
-        if reader.exhausted:
+        if reader.exhausted and not reader.held:
             reader.cursor = int(raw["last_line"])
         writes = [["HSET", "batch", "cursor", reader.cursor]]
         if added:
@@ -282,7 +303,7 @@ class BatchDriver:
             if record.terminal:
                 finished[number] = record
             elif cancel and not record.cancel:
-                await cancel_job_async(self.redis, self.keys, record.id, result_ttl_s=self.settings.result_ttl_s)
+                await cancel_job(self.svc, record.id)
         return finished
 
     async def _unanswered(self, raw: dict, cursor: int) -> list[str]:
@@ -349,7 +370,8 @@ class BatchDriver:
         stamp = datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
         body = json.dumps({"type": event, "timestamp": stamp, "data": batch_json(final)}, separators=(",", ":"))
         await self.redis.xadd(self.keys.webhook_outbox, {"webhook_id": f"msg_{batch_id}_{status}", "job_id": batch_id,
-                                                         "event": event, "url": raw["webhook_url"], "body": body})
+                                                         "event": event, "url": raw["webhook_url"], "body": body,
+                                                         "tenant": raw["tenant"]})
 
     async def _concatenate(self, tenant: str, file_id: str, filename: str, names: list[str]) -> None:
         directory = Path(self.settings.upload_dir)

@@ -16,7 +16,8 @@ from fastapi import FastAPI
 from api.auth import KeyRing
 from api.batch_driver import BatchDriver
 from api.errors import BodyLimitMiddleware, install_error_handlers
-from api.routes import batches, files, health, jobs, openai
+from api.ratelimit import RateLimitHeaders
+from api.routes import admin, batches, files, health, jobs, openai, usage
 from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
@@ -77,7 +78,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             keys=Keys(settings.key_prefix),
             hub=hub,
             keyring=keyring,
-            metrics=ApiMetrics(lambda: hub.num_followers),
+            metrics=ApiMetrics(lambda: hub.num_followers, keyring.tenant_names(), settings.usage_metrics_tenants),
             configured_models=configured,
         )
         app.state.files_store = open_store(settings.files_url)
@@ -101,11 +102,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     uploads = frozenset({("POST", "/v1/files")})  # limited by max_file_bytes as they stream in
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, streamed=uploads)
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(usage.router)
+    app.include_router(admin.router)
     app.include_router(health.router)
     return app
 

@@ -90,8 +90,19 @@ class JobView(BaseModel):
     timings: Timings | None = None
     error: JobErrorInfo | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    batch_id: str | None = None  # the Batch API batch the job is a line of
     webhook_deliveries: dict[str, WebhookDelivery] = Field(default_factory=dict)
     urls: JobUrls
+
+
+class JobList(BaseModel):
+    """A page of the caller's jobs, newest first (OpenAI's list shape); `after=<last_id>` reads the next."""
+
+    object: str = "list"
+    data: list[JobView]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
 
 
 class ErrorDetail(BaseModel):

@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
@@ -20,19 +21,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from api.auth import KeyRing
 from api.errors import ApiError, not_found
+from api.joblist import index_job
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
+from api.usage import TenantUsageMetrics
 from worker.protocol import (
     EnqueueResult,
     JobRecord,
     JobRequest,
+    JobState,
     Keys,
     UnreadableRecord,
+    cancel_job_async,
     enqueue_job_async,
     job_id_created_at,
+    new_job_id,
 )
 from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
 from worker.protocol.keys import watch_value
+from worker.protocol.usage import account_job_async
 
 MODEL_CACHE_S = 1.0
 _RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is refused
@@ -41,8 +48,10 @@ _RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is 
 class ApiMetrics:
     """The API's Prometheus metrics, in their own registry (one per app)."""
 
-    def __init__(self, open_streams):
+    def __init__(self, open_streams, tenants: list[str] = (), labelled_tenants: int = 0):
         self.registry = CollectorRegistry()
+        self.tenant_usage = TenantUsageMetrics(list(tenants), labelled_tenants)
+        self.registry.register(self.tenant_usage)
         self.requests = Counter(
             "ferry_api_requests", "HTTP requests answered", ["method", "route", "status"], registry=self.registry
         )
@@ -201,6 +210,15 @@ async def redis_started_at(svc: Services) -> float:
     return started
 
 
+async def cancel_job(svc: Services, job_id: str) -> JobState | None:
+    """Request a job's cancellation (`cancel_job_async`); a job it cancels while still queued ends
+    here, so it is counted here too (`worker.protocol.usage`; counting twice adds nothing)."""
+    state = await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
+    if state == JobState.cancelled:
+        await account_job_async(svc.redis, svc.keys, job_id, svc.settings.result_ttl_s)
+    return state
+
+
 def _same_request(a: JobRequest, b: JobRequest) -> bool:
     return a.model_dump(exclude={"created_at"}) == b.model_dump(exclude={"created_at"})
 
@@ -241,8 +259,12 @@ async def check_webhook_url(svc: Services, url: str, field: str = "webhook.url")
         raise ApiError(422, "webhook_refused", f"{field}: cannot resolve the host ({exc})", field=field) from None
 
 
-async def submit(svc: Services, request: JobRequest, idempotency_key: str | None, source: str) -> EnqueueResult:
-    """Enqueue `request` (already routed to a model and stamped with its tenant)."""
+async def submit(svc: Services, request: JobRequest, idempotency_key: str | None, source: str,
+                 reservation: tuple[str, int] | None = None,
+                 admission: Callable[[], Awaitable[tuple[str, int] | None]] | None = None) -> EnqueueResult:
+    """Enqueue `request` (already routed to a model and stamped with its tenant). Its rate-limit
+    reservation (api.ratelimit) is `reservation`, or what `admission` takes once the request is
+    known to be new (an idempotent replay takes nothing) and the queue has room."""
     if idempotency_key is not None:
         known = await svc.redis.get(svc.keys.idempotency(request.tenant, idempotency_key))
         if known is not None:
@@ -250,8 +272,13 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
     if request.webhook is not None:
         await check_webhook_url(svc, request.webhook.url)
     await _check_queue(svc, request.model)
+    if admission is not None:
+        reservation = await admission()
+    job_id = new_job_id(request.created_at)
+    await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
     result = await enqueue_job_async(
-        svc.redis, svc.keys, request, idempotency_key=idempotency_key, idempotency_ttl_s=svc.settings.idempotency_ttl_s
+        svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
+        idempotency_ttl_s=svc.settings.idempotency_ttl_s, reservation=reservation,
     )
     if not result.created:  # lost a race with the same key
         return await _replay(svc, request, result.job_id)

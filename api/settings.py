@@ -35,6 +35,7 @@ class ApiSettings(BaseSettings):
     webhook_allow_private: bool = False  # webhook URLs on private/loopback addresses (the webhook worker's setting too)
     shutdown_grace_s: float = 10.0  # after SIGTERM: how long open streams may go on before they are closed
     log_level: str = "INFO"
+    usage_metrics_tenants: int = 20  # tenants (first by name) with their own `tenant` label on /metrics; rest: other
     # --- Batch API ---
     files_url: str = "ferry-files"  # where files live: file:///dir, a local path, or s3://bucket/prefix
     upload_dir: str = "/tmp/ferry-uploads"  # uploads are spooled here while they stream in

@@ -51,4 +51,8 @@ async def readyz(svc: Svc) -> Ready:
     summary="Prometheus metrics",
 )
 async def metrics(svc: Svc) -> PlainTextResponse:
+    try:
+        await svc.metrics.tenant_usage.refresh(svc.redis, svc.keys)
+    except RedisError:  # Redis away: the tenant counters stay as last read
+        pass
     return PlainTextResponse(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -7,23 +7,26 @@ import json
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from api.auth import tenant
 from api.errors import ApiError
+from api.joblist import list_jobs
+from api.ratelimit import admit_jobs
 from api.schemas import (
     JobCreate,
     JobErrorInfo,
+    JobList,
     JobOutput,
     JobUrls,
     JobView,
     WebhookDelivery,
     error_responses,
 )
-from api.services import Services, check_against_model, get_job, resolve_model, services, submit
+from api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
 from api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -31,7 +34,6 @@ from worker.protocol import (
     JobRecord,
     JobRequest,
     JobState,
-    cancel_job_async,
     encode_event,
 )
 from worker.protocol.jobs import JOB_ID_PATTERN
@@ -96,6 +98,7 @@ def job_view(record: JobRecord, deliveries: dict[str, str] | None = None) -> Job
         timings=record.timings,
         error=error,
         metadata=record.request.metadata if record.request else {},
+        batch_id=record.batch_id,
         webhook_deliveries={k: WebhookDelivery(**json.loads(v)) for k, v in (deliveries or {}).items()},
         urls=urls(record.id),
     )
@@ -127,6 +130,7 @@ def _prefer_wait(prefer: str | None, cap_s: float) -> float:
 )
 async def create_job(
     body: JobCreate,
+    http: Request,
     svc: Svc,
     tenant_name: Tenant,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
@@ -135,7 +139,11 @@ async def create_job(
     model = await resolve_model(svc, body.input.model, field="input.model")
     request = job_request(body, model, tenant_name, svc)
     await check_against_model(svc, request, prefix="input.")
-    result = await submit(svc, request, idempotency_key, source="jobs")
+    async def admission() -> tuple[str, int] | None:
+        [reservation] = await admit_jobs(svc, http.state, tenant_name, [request])
+        return reservation
+
+    result = await submit(svc, request, idempotency_key, source="jobs", admission=admission)
     wait_s = _prefer_wait(prefer, svc.settings.max_wait_s)
     if wait_s > 0:
         await wait_until_terminal(svc, result.job_id, wait_s)
@@ -149,6 +157,22 @@ async def create_job(
         headers["Idempotent-Replayed"] = "true"
     status = 200 if wait_s > 0 and record.terminal else 202
     return JSONResponse(job_view(record).model_dump(mode="json"), status_code=status, headers=headers)
+
+
+@router.get("", response_model=JobList, responses=error_responses(401, 422),
+            summary="The caller's jobs, newest first (cursor pagination)")
+async def list_caller_jobs(
+    svc: Svc,
+    tenant_name: Tenant,
+    after: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description="a job id: the jobs older than it")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    status: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+    batch_id: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description="only this batch's lines")] = None,
+) -> JobList:
+    page = await list_jobs(svc.redis, svc.keys, tenant_name, after=after, limit=limit, status=status, batch_id=batch_id)
+    data = [job_view(record) for record in page.records]
+    return JobList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                   has_more=page.has_more)
 
 
 @router.get("/{job_id}", response_model=JobView, responses=error_responses(401, 404, 422), summary="Get a job")
@@ -196,7 +220,7 @@ async def cancel(job_id: JobId, svc: Svc, tenant_name: Tenant):
     record = await get_job(svc, job_id, tenant_name)
     if record.terminal and record.state != JobState.cancelled:
         raise ApiError(409, "job_finished", f"job {job_id!r} already {record.state.value}")
-    state = await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
+    state = await cancel_job(svc, job_id)
     if state is None:
         raise ApiError(404, "job_not_found", f"job {job_id!r} not found")
     if state in TERMINAL_STATES and state != JobState.cancelled:  # it finished in the meantime

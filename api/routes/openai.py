@@ -33,8 +33,9 @@ from api.openai_schemas import (
     lane,
     sse_200,
 )
+from api.ratelimit import admit_jobs
 from api.schemas import error_responses
-from api.services import Services, check_against_model, resolve_model, services, submit
+from api.services import Services, cancel_job, check_against_model, resolve_model, services, submit
 from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -43,7 +44,6 @@ from worker.protocol import (
     JobRequest,
     TokenLogprob,
     Usage,
-    cancel_job_async,
 )
 from worker.protocol.sampling import SAMPLING_LIMITS
 from worker.protocol.tools import ChatDelta, ToolCall
@@ -307,7 +307,7 @@ class Shape:
 
 async def _cancel_quietly(svc: Services, job_id: str) -> None:
     with anyio.CancelScope(shield=True):
-        await cancel_job_async(svc.redis, svc.keys, job_id, result_ttl_s=svc.settings.result_ttl_s)
+        await cancel_job(svc, job_id)
 
 
 async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_for: Callable[[str, int], Shape],
@@ -316,7 +316,9 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
     choices are theirs, in order. Any job's failure, a timeout or a client gone cancels them all."""
     for job in jobs:
         await check_against_model(svc, job)
-    job_ids = [(await submit(svc, job, None, source="openai")).job_id for job in jobs]
+    reservations = await admit_jobs(svc, http.state, jobs[0].tenant, jobs)
+    job_ids = [(await submit(svc, job, None, source="openai", reservation=reservation)).job_id
+               for job, reservation in zip(jobs, reservations, strict=True)]
     shapes = [shape_for(job_id, i) for i, job_id in enumerate(job_ids)]
     if stream:
         events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S)

@@ -36,10 +36,10 @@ class BatchStack:
         self.prefix = new_prefix()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = stack_env(self.prefix, tiny_model_factory("llama"), FERRY_API_KEYS=api_keys_setting(),
-                             FERRY_FILES_URL=(tmp_path / "files").as_uri(), FERRY_UPLOAD_DIR=str(tmp_path / "up"),
-                             FERRY_BATCH_POLL_S="0.05", FERRY_BATCH_LEASE_S="2", FERRY_WEBHOOK_SECRET=new_secret(),
-                             FERRY_WEBHOOK_ALLOW_PRIVATE="1", **extra)
+        settings = dict(FERRY_API_KEYS=api_keys_setting(), FERRY_FILES_URL=(tmp_path / "files").as_uri(),
+                        FERRY_UPLOAD_DIR=str(tmp_path / "up"), FERRY_BATCH_POLL_S="0.05", FERRY_BATCH_LEASE_S="2",
+                        FERRY_WEBHOOK_SECRET=new_secret(), FERRY_WEBHOOK_ALLOW_PRIVATE="1")
+        self.env = stack_env(self.prefix, tiny_model_factory("llama"), **(settings | extra))
         self.logs = tmp_path
         self.procs = {"worker": Proc("worker", ["worker"], self.env, tmp_path),
                       "api": self.start_api("api", self.port)}

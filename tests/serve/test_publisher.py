@@ -131,6 +131,20 @@ def test_a_seq_written_by_another_worker_means_the_job_is_lost(env):
     assert client.xpending(job.delivery.stream, keys.group)["pending"] == 1
 
 
+def test_the_terminal_write_counts_the_tenants_usage_once_and_a_lost_job_not_at_all(env):
+    client, keys, _ = env
+    _, job = _take_one(env)
+    _, other = _take_one(env, "w2")
+    pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
+    usage = {"usage": Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6).model_dump_json()}
+    final = finish(job.job_id, job.delivery, _done(1), "w1", usage)
+    assert pub.write([final]) == {}
+    assert pub.write([final]) == {}  # the same write again (a lost reply): counted once
+    client.xadd(keys.events(other.job_id), {"seq": "1", "type": "token", "data": "{}"}, id="1-1")
+    assert pub.write([finish(other.job_id, other.delivery, _done(1), "w1", usage)]) == {other.job_id: Lost.TAKEN}
+    assert client.hgetall(keys.usage("default")) == {"requests": "1", "prompt_tokens": "4", "completion_tokens": "2"}
+
+
 def test_hand_back_requeues_on_high_and_the_next_worker_resumes(env):
     client, keys, _ = env
     _, job = _take_one(env, "w1")

@@ -56,7 +56,7 @@ def _delivery(url: str) -> WebhookMessage:
 )
 def test_one_attempt_maps_the_receivers_answer(receiver, status, outcome):
     receiver.script.append(status)
-    attempt = attempt_delivery(_delivery(receiver.base + "/hook"), SECRET, allow_private=True, timeout_s=5)
+    attempt = attempt_delivery(_delivery(receiver.base + "/hook"), [SECRET], allow_private=True, timeout_s=5)
     assert (attempt.outcome, attempt.status_code) == (outcome, status)
     (got,) = receiver.wait_for(1)
     assert got.path == "/hook"  # a redirect is never followed
@@ -69,18 +69,18 @@ def test_unanswered_and_refused_connections_are_retried():
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)  # accepts into the backlog, never answers
-        attempt = attempt_delivery(_delivery(f"http://127.0.0.1:{silent.getsockname()[1]}/"), SECRET,
+        attempt = attempt_delivery(_delivery(f"http://127.0.0.1:{silent.getsockname()[1]}/"), [SECRET],
                                    allow_private=True, timeout_s=0.3)
     assert attempt.outcome == "retry" and "Timeout" in attempt.detail
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    attempt = attempt_delivery(_delivery(f"http://127.0.0.1:{port}/"), SECRET, allow_private=True, timeout_s=1)
+    attempt = attempt_delivery(_delivery(f"http://127.0.0.1:{port}/"), [SECRET], allow_private=True, timeout_s=1)
     assert attempt.outcome == "retry"
 
 
 def test_refused_attempt_sends_nothing(receiver):
-    attempt = attempt_delivery(_delivery(receiver.base + "/hook"), SECRET, allow_private=False, timeout_s=5)
+    attempt = attempt_delivery(_delivery(receiver.base + "/hook"), [SECRET], allow_private=False, timeout_s=5)
     assert attempt.outcome == "refused"
     time.sleep(0.2)
     assert receiver.requests == []

@@ -438,13 +438,17 @@ class JobRecord(BaseModel):
     error_message: str | None = None
     batch_id: str | None = None  # the Batch API batch the job is a line of
     custom_id: str | None = None  # that line's custom_id
+    rate_budget: str | None = None  # the tenant's rate-limit budget (`live`, `batch`) the tokens were reserved in
+    reserved_tokens: int | None = None  # tokens reserved at admission; the difference to the usage is given back
 
     @classmethod
     def new(cls, job_id: str, request: JobRequest, batch_id: str | None = None,
-            custom_id: str | None = None) -> JobRecord:
+            custom_id: str | None = None, reservation: tuple[str, int] | None = None) -> JobRecord:
         return cls(
             batch_id=batch_id,
             custom_id=custom_id,
+            rate_budget=reservation[0] if reservation else None,
+            reserved_tokens=reservation[1] if reservation else None,
             id=job_id,
             state=JobState.queued,
             model=request.model,

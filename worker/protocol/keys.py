@@ -137,6 +137,35 @@ class Keys:
         return f"{self.prefix}:batches:active"
 
 
+    # --- tenants: job index, rate limits, usage --------------------------------------------------
+    # Every key of one tenant carries its tag (`{tag}`): one slot, so a script over a tenant's
+    # buckets and counters touches one slot and never a job key.
+
+    def tenant_jobs(self, tenant: str) -> str:
+        """Sorted set, every score 0: the tenant's job ids, which sort by creation (`new_job_id`),
+        so ZREVRANGEBYLEX lists newest first and an id is its own cursor (GET /v1/jobs). Written
+        before the job's enqueue, in a command of its own; ids whose hash is gone are skipped."""
+        return f"{self.prefix}:jobs:{{{tenant_tag(tenant)}}}"
+
+    def rate_bucket(self, tenant: str, budget: str) -> str:
+        """Hash: the tenant's token buckets of one budget (`live` or `batch`): requests and tokens,
+        each its level, last refill (ms) and capacity per minute (`lua.RATE_LIMIT`)."""
+        return f"{self.prefix}:ratelimit:{{{tenant_tag(tenant)}}}:{budget}"
+
+    def usage(self, tenant: str) -> str:
+        """Hash: the tenant's totals `requests`, `prompt_tokens`, `completion_tokens` (jobs that ended)."""
+        return f"{self.prefix}:usage:{{{tenant_tag(tenant)}}}"
+
+    def usage_day(self, tenant: str, day: str) -> str:
+        """Hash: the same counters for one UTC day (`YYYY-MM-DD`), expiring after `USAGE_DAYS_KEPT`."""
+        return f"{self.prefix}:usage:{{{tenant_tag(tenant)}}}:day:{day}"
+
+    def usage_counted(self, tenant: str, job_id: str) -> str:
+        """String, EX: set when a job's usage was counted, so counting twice (a retried write, the
+        API and a worker both seeing the end) adds nothing."""
+        return f"{self.prefix}:usage:{{{tenant_tag(tenant)}}}:counted:{job_id}"
+
+
 def tenant_tag(name: str) -> str:
     """A hash tag for a free-form name (a tenant), without braces or colons in it."""
     return hashlib.sha256(name.encode()).hexdigest()[:32]

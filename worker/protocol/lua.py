@@ -214,6 +214,82 @@ return status
 """
 
 
+# Refill the token bucket `name` of hash KEYS[1] to `now` (ms): its level rises at `cap` per
+# minute up to `cap`; a bucket never seen is full. Levels may be below 0 (a correction charged
+# more than was reserved): a debt, paid back by the refill.
+_BUCKET_LEVEL = """
+local function bucket_level(name, cap, now)
+  local have = redis.call('HMGET', KEYS[1], name, name .. '_ts')
+  local level, ts = tonumber(have[1]), tonumber(have[2])
+  if not level then return cap end
+  level = level + math.max(0, now - ts) * cap / 60000
+  if level > cap then level = cap end
+  return level
+end
+"""
+
+# Admit one request against a tenant's budget (the API). KEYS: the budget's bucket hash.
+# ARGV: now (ms), requests per minute, tokens per minute (0: that dimension is unlimited), the
+# tokens to reserve, the hash's ttl (s). Both buckets are taken or neither. Returns {admitted,
+# too large (the reservation is over the whole per-minute budget), requests left, ms until the
+# request bucket is full, tokens left, ms until the token bucket is full, ms to wait before a retry
+# can pass}; an unlimited dimension reports -1 left.
+RATE_LIMIT = _BUCKET_LEVEL + """
+local now = tonumber(ARGV[1])
+local names, caps, costs = {'req', 'tok'}, {tonumber(ARGV[2]), tonumber(ARGV[3])}, {1, tonumber(ARGV[4])}
+local levels, wait, too_large = {}, 0, 0
+for i = 1, 2 do
+  if caps[i] > 0 then
+    levels[i] = bucket_level(names[i], caps[i], now)
+    if costs[i] > caps[i] then too_large = 1
+    elseif levels[i] < costs[i] then wait = math.max(wait, (costs[i] - levels[i]) * 60000 / caps[i]) end
+  end
+end
+local admitted = wait == 0 and too_large == 0
+local out = {admitted and 1 or 0, too_large}
+for i = 1, 2 do
+  if caps[i] > 0 then
+    local level = levels[i]
+    if admitted then level = level - costs[i] end
+    redis.call('HSET', KEYS[1], names[i], tostring(level), names[i] .. '_ts', ARGV[1], names[i] .. '_cap', ARGV[1 + i])
+    table.insert(out, math.floor(math.max(level, 0)))
+    table.insert(out, math.ceil((caps[i] - level) * 60000 / caps[i]))
+  else
+    table.insert(out, -1)
+    table.insert(out, 0)
+  end
+end
+table.insert(out, math.ceil(wait))
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return out
+"""
+
+# Count a job that ended, once (whoever saw the end: the worker's publisher, or the API for a job
+# cancelled while queued). KEYS: the job's `usage_counted` marker, the tenant's usage totals, its
+# usage of the day[, the bucket hash its tokens were reserved in]. ARGV: marker ttl, prompt tokens,
+# completion tokens, the day hash's ttl, now (ms), tokens to give back to the bucket (reserved
+# minus used; negative charges the excess). Returns 1, or 0 when the job was counted already.
+ACCOUNT = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
+for k = 2, 3 do
+  redis.call('HINCRBY', KEYS[k], 'requests', 1)
+  redis.call('HINCRBY', KEYS[k], 'prompt_tokens', ARGV[2])
+  redis.call('HINCRBY', KEYS[k], 'completion_tokens', ARGV[3])
+end
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+if #KEYS == 4 then
+  local have = redis.call('HMGET', KEYS[4], 'tok', 'tok_ts', 'tok_cap')
+  local level, ts, cap = tonumber(have[1]), tonumber(have[2]), tonumber(have[3])
+  if level and cap then
+    local now = tonumber(ARGV[5])
+    level = math.min(cap, level + math.max(0, now - ts) * cap / 60000 + tonumber(ARGV[6]))
+    redis.call('HSET', KEYS[4], 'tok', tostring(math.max(level, -cap)), 'tok_ts', ARGV[5])
+  end
+end
+return 1
+"""
+
+
 def add(pipe, script: Script, keys: list[str], args: list) -> None:
     """Queue `script` on `pipe` as a bare EVALSHA."""
     pipe.evalsha(script.sha, len(keys), *keys, *args)

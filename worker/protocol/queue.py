@@ -31,9 +31,10 @@ class EnqueueResult(BaseModel):
 
 
 def _enqueue_call(keys: Keys, request: JobRequest, job_id: str | None, idempotency_key: str | None,
-                  idempotency_ttl_s: int, batch_line: tuple[str, str] | None = None) -> tuple[list[str], list[str]]:
+                  idempotency_ttl_s: int, batch_line: tuple[str, str] | None = None,
+                  reservation: tuple[str, int] | None = None) -> tuple[list[str], list[str]]:
     job_id = job_id or new_job_id(request.created_at)
-    record = JobRecord.new(job_id, request, *(batch_line or (None, None)))
+    record = JobRecord.new(job_id, request, *(batch_line or (None, None)), reservation=reservation)
     redis_keys = [keys.job(job_id), keys.queue(request.model, request.priority.value)]
     if idempotency_key is not None:
         redis_keys.append(keys.idempotency(request.tenant, idempotency_key))
@@ -57,9 +58,12 @@ def enqueue_job(client, keys: Keys, request: JobRequest, *, job_id: str | None =
 
 async def enqueue_job_async(client, keys: Keys, request: JobRequest, *, job_id: str | None = None,
                             idempotency_key: str | None = None, idempotency_ttl_s: int = 86400,
-                            batch_line: tuple[str, str] | None = None) -> EnqueueResult:
-    """`enqueue_job` for `redis.asyncio.Redis`; `batch_line` (batch id, custom_id) marks a Batch API line's job."""
-    redis_keys, args = _enqueue_call(keys, request, job_id, idempotency_key, idempotency_ttl_s, batch_line)
+                            batch_line: tuple[str, str] | None = None,
+                            reservation: tuple[str, int] | None = None) -> EnqueueResult:
+    """`enqueue_job` for `redis.asyncio.Redis`; `batch_line` (batch id, custom_id) marks a Batch API line's job;
+    `reservation` (budget, tokens) is what the tenant's rate limit reserved for it (`worker.protocol.usage`)."""
+    redis_keys, args = _enqueue_call(keys, request, job_id, idempotency_key, idempotency_ttl_s, batch_line,
+                                     reservation)
     return _enqueue_result(await client.register_script(lua.ENQUEUE)(keys=redis_keys, args=args))
 
 

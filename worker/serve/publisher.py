@@ -4,7 +4,8 @@ After each engine step the engine thread hands over the step's writes (`worker.s
 the publisher thread sends all pending writes in a single pipeline, one script call per job
 (`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{id}:events` (entry id
 `{seq}-1`), publishes each on `{p}:job:{id}`, and, when the job ends, writes the result into the
-job hash, sets the expiries and only then XACKs and XDELs the queue entry. Scripts make each
+job hash, sets the expiries and only then XACKs and XDELs the queue entry; the jobs that ended
+are then counted against their tenants (`worker.protocol.usage`). Scripts make each
 job's write atomic: either all of it lands or none, so a re-delivered job never sees events
 without the state that goes with them.
 
@@ -24,6 +25,7 @@ import redis
 
 from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
 from worker.protocol.jobs import TERMINAL_STATES_ARG
+from worker.protocol.usage import account_jobs
 from worker.serve.retry import Stopped, call_with_backoff
 from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
 
@@ -73,6 +75,11 @@ class Publisher:
                 log.error("redis refused a write", extra={"job_id": job_id, "error": str(result)})
             elif job_id is not None and result in (0, -1):
                 lost[job_id] = Lost.TAKEN if result == 0 else Lost.RECORD_GONE
+        ended = [w.job_id for w in writes if isinstance(w, Finish) and w.job_id not in lost]
+        try:
+            account_jobs(self.client, self.keys, ended, self.result_ttl_s)
+        except redis.RedisError as exc:  # the terminal writes stand; these jobs go uncounted
+            log.warning("usage of %d ended job(s) not counted: %s", len(ended), exc)
         return lost
 
     def _add_emit(self, pipe, w: Progress | Finish | HandBack) -> None:

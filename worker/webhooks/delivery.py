@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -56,6 +57,7 @@ class WebhookMessage:
     event: str  # one of EVENTS
     url: str
     body: str  # JSON text, signed as bytes (utf-8)
+    tenant: str = ""  # whose job or batch: its own webhook secrets sign, if its key configuration has any
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,10 @@ def backoff_s(attempt: int, base_s: float, cap_s: float) -> float:
     return delay * random.uniform(0.5, 1.5)
 
 
-def attempt_delivery(delivery: WebhookMessage, secret: str, *, allow_private: bool, timeout_s: float) -> Attempt:
+def attempt_delivery(delivery: WebhookMessage, secrets: Sequence[str], *, allow_private: bool,
+                     timeout_s: float) -> Attempt:
+    """POST the message once, signed with every secret in `secrets` (space-separated signatures:
+    during a rotation a receiver holding either secret verifies it)."""
     try:
         target = resolve_target(delivery.url, allow_private)
     except RefusedUrl as exc:
@@ -84,7 +89,7 @@ def attempt_delivery(delivery: WebhookMessage, secret: str, *, allow_private: bo
         "user-agent": "ferry-webhooks",
         "webhook-id": delivery.webhook_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": sign(secret, delivery.webhook_id, timestamp, body),
+        "webhook-signature": " ".join(sign(secret, delivery.webhook_id, timestamp, body) for secret in secrets),
     }
     extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
     try:

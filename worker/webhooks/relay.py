@@ -144,7 +144,8 @@ class Relay:
             return
         body = json.dumps(job_payload(name, record, ts), separators=(",", ":"))
         # The id names the (job, event) pair, so it is the same on every retry and every relay.
-        enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body))
+        enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body,
+                                         record.tenant))
         self.redis.set(sent, "1", ex=self.settings.result_ttl_s)
 
     def _drain_outbox(self) -> bool:
@@ -152,7 +153,8 @@ class Relay:
         that dies in between sends one again under the same webhook id)."""
         entries = self.redis.xrange(self.keys.webhook_outbox, count=100)
         for entry_id, fields in entries:
-            enqueue(self.app, WebhookMessage(**{name: fields[name] for name in WebhookMessage.__slots__}))
+            given = {name: fields[name] for name in WebhookMessage.__slots__ if name in fields}
+            enqueue(self.app, WebhookMessage(**given))
             self.redis.xdel(self.keys.webhook_outbox, entry_id)
         return bool(entries)
 

@@ -18,6 +18,10 @@ class WebhookSettings(BaseSettings):
     celery_sqs_region: str | None = None  # default: boto3's region chain (AWS_REGION, AWS_DEFAULT_REGION)
     celery_sqs_queue_name_prefix: str = ""  # kombu creates <prefix><queue> itself when no queue URL is given
     webhook_secret: str | None = None  # "whsec_<base64>"; required to deliver
+    # The API's key configuration (worker.protocol.tenants): a tenant's `webhook_secret` options sign
+    # its webhooks instead of webhook_secret. Read at start-up: restart to rotate.
+    api_keys: str | None = None
+    api_keys_file: str | None = None
     webhook_retry_base_s: float = 2.0  # first retry after ~base, then doubling (with jitter)
     webhook_retry_max_s: float = 3600.0  # cap on one backoff
     webhook_max_attempts: int = 8
