@@ -114,9 +114,16 @@ def test_json_schema_response_format_validates_on_a_random_model(client):
 
 @pytest.mark.timeout(120)
 def test_json_object_and_vllm_extras_on_both_routes(client):
+    # Any object: its strings are unbounded, which a random model may never close; bounded by
+    # a schema, they always close (test_twenty_varied_schemas_all_validate_on_a_random_model).
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"},
                                        max_tokens=200, temperature=0.0)
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    content = r.choices[0].message.content
+    assert content.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 200
     r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10,
                                   extra_body={"structured_outputs": {"choice": ["left", "right"]}})
     assert r.choices[0].text in ("left", "right")
