@@ -29,6 +29,7 @@ COLLECTIVE_TIMEOUT_S = 120.0  # a collective waiting longer than this has a hung
 START_TIMEOUT_S = 1800.0  # longest a rank may take to start and load its shard (it is health-checked meanwhile)
 _POLL_S = 0.05
 _STOP_WAIT_S = 10.0  # a stopped rank gets this long to exit before it is killed
+_DEATH_WAIT_S = 1.0  # after a failed collective: how long the rank that caused it has to be seen exiting
 
 
 class RankFailedError(RuntimeError):
@@ -129,6 +130,9 @@ class RankGroup:
         """Mark the group broken by `exc` (a collective that failed or timed out, or this rank's own
         error mid-step); returns the error to raise."""
         if self.broken is None:
+            deadline = time.monotonic() + _DEATH_WAIT_S  # a collective fails as its peer dies: name the peer
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
             procs = enumerate(self._procs, start=1)
             dead = [f"rank {r} (exit code {p.exitcode})" for r, p in procs if not p.is_alive()]
             cause = f"dead: {', '.join(dead)}" if dead else f"{type(exc).__name__}: {exc}"
