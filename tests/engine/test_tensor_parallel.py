@@ -51,13 +51,16 @@ def test_two_ranks_match_one_rank_and_transformers(tiny_model_factory, case):
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_four_ranks_replicate_kv_heads(tiny_model_factory):
+def test_four_ranks_replicate_kv_heads_and_verify_proposals(tiny_model_factory):
     # 4 q heads and 2 kv heads over 4 ranks: one q head each, every kv head on two ranks.
     model_dir = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
     one = _tokens(LLM(str(model_dir), **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False))
-    with LLM(str(model_dir), tensor_parallel_size=4, **ENGINE) as llm:
+    # n-gram proposals, verified in the sharded batch (greedy output stays exactly the same).
+    speculative = {"method": "ngram", "measure_speedup": False, "min_acceptance_rate": 0.0}
+    with LLM(str(model_dir), tensor_parallel_size=4, speculative=speculative, **ENGINE) as llm:
         assert llm.engine.runner.kv_cache.shape[3] == 1  # each rank's pool: its one kv head
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == one
+        assert llm.engine.stats().spec_decode.num_draft_tokens > 0
 
 
 def test_each_rank_reads_only_its_slice(tiny_model_factory):
