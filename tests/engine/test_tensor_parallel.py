@@ -140,3 +140,21 @@ def test_a_killed_rank_fails_the_step_with_a_typed_error(llama_dir):
         started = time.monotonic()
         llm.close()
         assert time.monotonic() - started < 15
+
+
+def test_a_hung_rank_fails_the_step_after_the_timeout(llama_dir):
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, tensor_parallel_timeout_s=3, **ENGINE)
+    engine = llm.engine
+    [rank1] = engine.executor.group.pids
+    try:
+        engine.add_request("long", list(range(3, 40)), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        engine.step()
+        os.kill(rank1, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="tensor-parallel step failed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert 2 < time.monotonic() - started < 20
+    finally:
+        llm.close()  # kills the stopped rank
+    assert not os.path.exists(f"/proc/{rank1}") or "zombie" in open(f"/proc/{rank1}/status").read()

@@ -95,6 +95,8 @@ class EngineConfig:
     # Ranks the model is split over (Megatron-style, docs/tensor-parallel.md): 1 runs in this process;
     # N > 1 spawns N - 1 rank processes (rank r on cuda:r, or CPU processes); kv_cache_bytes is per rank
     tensor_parallel_size: int = 1
+    # A collective between the ranks that waits longer than this fails the step: a hung rank
+    tensor_parallel_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -116,5 +118,7 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         check_quantization_name(self.quantization)
         self.speculative = SpeculativeConfig.of(self.speculative)

@@ -20,7 +20,7 @@ from worker.engine.kv_budget import kv_budget_bytes
 from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
 from worker.engine.model_runner import ModelRunner, StepOutput
 from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from worker.engine.parallel.group import COLLECTIVE_TIMEOUT_S, RankGroup
+from worker.engine.parallel.group import RankGroup
 from worker.engine.parallel.wire import RankSpec
 from worker.engine.prefix_io import KV_LAYOUT, KVLayout, PrefixBlocks
 from worker.engine.request import Request
@@ -219,7 +219,7 @@ class Engine:
             model_dir=str(self.model_dir), arch=self.arch, dtype=self.dtype, device_type=self.device.type,
             max_model_len=self.max_model_len, block_size=self.block_size, kv_cache_bytes=cfg.kv_cache_bytes,
             max_num_seqs=cfg.max_num_seqs, size=cfg.tensor_parallel_size, num_threads=torch.get_num_threads(),
-            store_port=0, timeout_s=COLLECTIVE_TIMEOUT_S,
+            store_port=0, timeout_s=cfg.tensor_parallel_timeout_s,
         )
 
     def _default_model_salt(self) -> str:

@@ -3,8 +3,9 @@ start, send them each step, and stop them.
 
 Failure: a rank that exits is seen before each message (`is_alive`) and by the collective it
 leaves (gloo and nccl fail a collective whose peer closed its connection); a rank that hangs is
-seen by the default group's timeout. Either raises `RankFailedError`, and the group is broken
-for good (the ranks' KV pools no longer agree): the engine that owns it cannot step any more.
+seen by the timeout (`tensor_parallel_timeout_s`) of the default group's collectives and of
+rank 0's sends. Either raises `RankFailedError`, and the group is broken for good (the ranks'
+KV pools no longer agree): the engine that owns it cannot step any more.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from worker.models.sharding import Shard, TensorParallelError
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT_S = 120.0  # a collective waiting longer than this has a hung rank (the step fails)
 START_TIMEOUT_S = 1800.0  # longest a rank may take to start and load its shard (it is health-checked meanwhile)
 _POLL_S = 0.05
 _STOP_WAIT_S = 10.0  # a stopped rank gets this long to exit before it is killed
@@ -48,7 +48,7 @@ class RankGroup:
             )
         self.shard = Shard(0, spec.size)
         self.broken: str | None = None  # why the group failed, once it has
-        timeout = timedelta(seconds=spec.timeout_s)
+        self._timeout = timeout = timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore("127.0.0.1", 0, spec.size, is_master=True, wait_for_workers=False, timeout=timeout)
         spec = replace(spec, store_port=store.port)
         context = mp.get_context("spawn")
@@ -110,11 +110,13 @@ class RankGroup:
     # --- messages ---------------------------------------------------------------------------------
 
     def send(self, op: Op, payload: torch.Tensor) -> None:
-        """Broadcast one message (an int64 CPU payload) to every rank."""
+        """Broadcast one message (an int64 CPU payload) to every rank. The control group has no
+        practical timeout (the ranks wait on it however long the engine idles), so rank 0 bounds
+        its own wait: a rank that stopped reading fails the send after `timeout_s`."""
         self.check()
-        dist.broadcast(torch.tensor([int(op), payload.numel()], dtype=torch.int64), 0, group=self._control)
-        if op != Op.STOP:
-            dist.broadcast(payload, 0, group=self._control)
+        header = torch.tensor([int(op), payload.numel()], dtype=torch.int64)
+        for tensor in (header, payload) if op != Op.STOP else (header,):
+            dist.broadcast(tensor, 0, group=self._control, async_op=True).wait(self._timeout)
 
     def check(self) -> None:
         """RankFailedError if the group has failed or a rank has exited."""
@@ -135,7 +137,8 @@ class RankGroup:
                 proc.join(max(0.0, deadline - time.monotonic()))
             procs = enumerate(self._procs, start=1)
             dead = [f"rank {r} (exit code {p.exitcode})" for r, p in procs if not p.is_alive()]
-            cause = f"dead: {', '.join(dead)}" if dead else f"{type(exc).__name__}: {exc}"
+            cause = (f"dead: {', '.join(dead)}" if dead else
+                     f"{type(exc).__name__}: {exc}; no rank exited: one hangs or ran past tensor_parallel_timeout_s")
             self.broken = f"tensor-parallel step failed ({cause})"
             log.error("%s", self.broken)
         return RankFailedError(self.broken)
@@ -154,7 +157,7 @@ class RankGroup:
                 self.send(Op.STOP, torch.empty(0, dtype=torch.int64))
             except Exception:  # a rank died meanwhile: killed below
                 pass
-        deadline = time.monotonic() + _STOP_WAIT_S
+        deadline = time.monotonic() + (_STOP_WAIT_S if self.broken is None else 0.0)  # a broken group: kill now
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
