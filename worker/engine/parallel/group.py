@@ -11,7 +11,6 @@ KV pools no longer agree): the engine that owns it cannot step any more.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 import weakref
 from dataclasses import replace
@@ -19,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from worker.engine.parallel.rank import CONTROL_TIMEOUT, rank_main
 from worker.engine.parallel.wire import Op, RankSpec
