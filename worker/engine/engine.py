@@ -118,9 +118,9 @@ class Engine:
         self._pending: list[RequestOutput] = []  # aborts reported by the next step
         self._arrivals = itertools.count()
         log.info(
-            "engine ready: %s (%s) on %s, %s, quantization %s, KV pool %d blocks x %d tokens (%.1f MiB), "
-            "max_model_len %d",
-            self.model_dir.name, self.arch.architecture, self.device, self.dtype, self.quantization, num_blocks,
+            "engine ready: %s (%s) on %s, %s, quantization %s, tensor parallel %d, KV pool %d blocks x %d tokens "
+            "(%.1f MiB per rank), max_model_len %d",
+            self.model_dir.name, self.arch.architecture, self.device, self.dtype, self.quantization, tp, num_blocks,
             self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
         # What snapshots save and restore: whole blocks, every kv head (from every rank).
