@@ -28,6 +28,7 @@ import time
 
 import redis
 
+from worker.engine.parallel.group import RankFailedError
 from worker.protocol import Keys
 from worker.serve import jsonlog
 from worker.serve.health import serve
@@ -95,6 +96,9 @@ class Worker:
                 log.critical("cannot serve the model: refusing to start",
                              extra={"model": self.settings.engine.model, "error": f"{type(exc).__name__}: {exc}"})
                 return 2
+            except RankFailedError as exc:  # a tensor-parallel rank died or failed while loading
+                log.critical("a tensor-parallel rank failed to start", extra={"error": str(exc)})
+                return EXIT_ENGINE_FAILED
             if self.draining.is_set():
                 return 0
             self._backoff("ensure groups", self.draining, self.consumer.ensure_groups)
