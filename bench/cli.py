@@ -58,6 +58,7 @@ SUITES = {
         Suite("linear_cpu", "bench.linear_cpu", ("--rows", "1,32,512", "--repeats", "2"), takes_model=False),
         Suite("quantized_linear", "bench.quantized_linear", ("--rows", "1,32", "--repeats", "2"), takes_model=False),
         Suite("quantized", "bench.quantized", ("--quick",), takes_model=False),
+        Suite("tensor_parallel", "bench.tensor_parallel", ("--quick",), takes_model=False),
     )
 }
 

@@ -50,6 +50,16 @@ def test_the_engines_checks_apply(clean_env):
         WorkerSettings()
 
 
+def test_tensor_parallel_size_from_the_environment(clean_env):
+    assert WorkerSettings().engine.tensor_parallel_size == 1
+    clean_env.setenv("FERRY_TENSOR_PARALLEL_SIZE", "4")
+    assert WorkerSettings().engine.tensor_parallel_size == 4
+    assert "FERRY_TENSOR_PARALLEL_SIZE" in WorkerSettings.variable_names()
+    clean_env.setenv("FERRY_TENSOR_PARALLEL_SIZE", "0")
+    with pytest.raises(ValidationError, match="tensor_parallel_size must be an integer >= 1"):
+        WorkerSettings()
+
+
 def test_speculation_is_off_by_default_and_without_a_method(clean_env):
     clean_env.setenv("FERRY_SPECULATIVE_NUM_TOKENS", "3")
     assert WorkerSettings().engine.speculative is None

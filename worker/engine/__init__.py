@@ -4,9 +4,11 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine, EngineStats
 from worker.engine.llm import LLM
 from worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from worker.engine.parallel.group import RankFailedError
 from worker.engine.resume import Resume
 from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from worker.engine.structured import InvalidStructuredOutputError, StructuredOutputs
+from worker.models.sharding import TensorParallelError
 
 __all__ = [
     "LLM",
@@ -17,9 +19,11 @@ __all__ = [
     "InvalidSamplingParams",
     "InvalidStructuredOutputError",
     "Logprob",
+    "RankFailedError",
     "RequestMetrics",
     "RequestOutput",
     "Resume",
     "SamplingParams",
     "StructuredOutputs",
+    "TensorParallelError",
 ]

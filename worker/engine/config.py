@@ -92,6 +92,11 @@ class EngineConfig:
     # a relative path is relative to the current directory
     model_cache_dir: str = ".ferry/models"
     structured_outputs_cache_size: int = 64  # compiled grammars kept (LRU), keyed by spec and tokenizer
+    # Ranks the model is split over (Megatron-style, docs/tensor-parallel.md): 1 runs in this process;
+    # N > 1 spawns N - 1 rank processes (rank r on cuda:r, or CPU processes); kv_cache_bytes is per rank
+    tensor_parallel_size: int = 1
+    # A collective between the ranks that waits longer than this fails the step: a hung rank
+    tensor_parallel_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -110,5 +115,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.structured_outputs_cache_size < 1:
             raise ValueError(f"structured_outputs_cache_size must be >= 1, got {self.structured_outputs_cache_size}")
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         check_quantization_name(self.quantization)
         self.speculative = SpeculativeConfig.of(self.speculative)

@@ -6,7 +6,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, fields, replace
@@ -16,10 +15,14 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.executor import Executor, ParallelExecutor, check_tensor_parallel
+from worker.engine.kv_budget import kv_budget_bytes
 from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
 from worker.engine.model_runner import ModelRunner, StepOutput
 from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from worker.engine.prefix_io import PrefixBlocks
+from worker.engine.parallel.group import RankGroup
+from worker.engine.parallel.wire import RankSpec
+from worker.engine.prefix_io import KV_LAYOUT, KVLayout, PrefixBlocks
 from worker.engine.request import Request
 from worker.engine.resume import Resume
 from worker.engine.sampler import advance_generator
@@ -31,13 +34,11 @@ from worker.engine.structured import GrammarState, InvalidStructuredOutputError,
 from worker.models.config import ModelArch
 from worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
 from worker.models.quantization import resolve_quantization
+from worker.models.sharding import UNSHARDED, local_arch
 from worker.protocol.sampling import MODEL_DEFAULTS
 
 log = logging.getLogger(__name__)
 
-_CPU_KV_CAP_BYTES = 4 << 30  # default KV budget on CPU at most 4 GiB ...
-_CPU_KV_RAM_SHARE = 0.2  # ... and at most this share of RAM
-_GPU_KV_FREE_SHARE = 0.85  # on CUDA: this share of the memory left after loading the weights
 _COMPILE_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar to compile
 
 
@@ -70,30 +71,26 @@ class Engine:
         self.sampling_defaults = self._sampling_defaults()
         torch.manual_seed(cfg.seed)
 
-        quantization = resolve_quantization(cfg.quantization, gguf_file(cfg.model), self.device, self.dtype)
+        self.tensor_parallel_size = tp = cfg.tensor_parallel_size
+        check_tensor_parallel(self.arch, tp, self.device, cfg.quantization)  # before any weight is read
+        if tp > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)  # rank r runs on cuda:r
+        # Quantized weights load on one rank only: the format's default at tensor_parallel_size > 1 is float.
+        requested = cfg.quantization if tp == 1 or cfg.quantization is not None else "none"
+        quantization = resolve_quantization(requested, gguf_file(cfg.model), self.device, self.dtype)
         self.quantization = quantization.method  # "none" | "gguf" | "int8": what the weights are held as
-        model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, quantization)
-        spec = cfg.speculative
-        draft = None
-        if spec is not None and spec.method == "draft":
-            draft = load_draft(
-                spec.draft_model, self.arch, self.tokenizer, self.dtype, self.device, self.max_model_len,
-                cfg.model_cache_dir,
-            )
         self.block_size = cfg.block_size
-        bytes_per_block = ModelRunner.bytes_per_block(self.arch, self.block_size, self.dtype)
-        if draft is not None:  # the draft's KV pool mirrors the target's blocks, from the same budget
-            bytes_per_block += ModelRunner.bytes_per_block(draft[1], self.block_size, self.dtype)
-        num_blocks = self._kv_budget(bytes_per_block) // bytes_per_block
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"a KV pool of {num_blocks} blocks x {self.block_size} tokens cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}; raise kv_cache_bytes (needs at least "
-                f"{-(-self.max_model_len // self.block_size) * bytes_per_block} bytes) or lower max_model_len"
-            )
-        self.runner = ModelRunner(model, self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        group = RankGroup(self._rank_spec()) if tp > 1 else None  # the ranks load their shards meanwhile
+        try:
+            self.executor, num_blocks, bytes_per_block, draft = self._start_model(group, quantization)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
+        self.runner = self.executor.runner  # rank 0's model runner
         self.kv = KVCacheManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.spec: SpecDecoder | None = None
+        spec = cfg.speculative
         if spec is not None:
             proposer = (
                 NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -121,12 +118,16 @@ class Engine:
         self._pending: list[RequestOutput] = []  # aborts reported by the next step
         self._arrivals = itertools.count()
         log.info(
-            "engine ready: %s (%s) on %s, %s, quantization %s, KV pool %d blocks x %d tokens (%.1f MiB), "
-            "max_model_len %d",
-            self.model_dir.name, self.arch.architecture, self.device, self.dtype, self.quantization, num_blocks,
+            "engine ready: %s (%s) on %s, %s, quantization %s, tensor parallel %d, KV pool %d blocks x %d tokens "
+            "(%.1f MiB per rank), max_model_len %d",
+            self.model_dir.name, self.arch.architecture, self.device, self.dtype, self.quantization, tp, num_blocks,
             self.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
-        self.prefix_blocks = PrefixBlocks(self.kv, self.runner.kv_cache)  # what snapshots save and restore
+        # What snapshots save and restore: whole blocks, every kv head (from every rank).
+        arch = self.arch
+        layout = KVLayout(KV_LAYOUT, (arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+                          self.dtype, self.block_size)
+        self.prefix_blocks = PrefixBlocks(self.kv, self.executor, layout)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -177,16 +178,49 @@ class Engine:
             log.info("sampling defaults from generation_config.json: %s", found)
         return found
 
-    def _kv_budget(self, bytes_per_block: int) -> int:
-        if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * _GPU_KV_FREE_SHARE)
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        # No use reserving more than every running sequence at full length needs.
-        full = -(-self.max_model_len // self.block_size) * bytes_per_block * self.config.max_num_seqs
-        return int(min(_CPU_KV_CAP_BYTES, _CPU_KV_RAM_SHARE * ram, full))
+    def _start_model(self, group: RankGroup | None, quantization) -> tuple[Executor, int, int, tuple | None]:
+        """Load this rank's model (and a draft model), size the KV pool (the smallest of every
+        rank's), build the executor. Returns it, the block count, bytes per block and the draft."""
+        cfg = self.config
+        shard = UNSHARDED if group is None else group.shard
+        model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, quantization, shard)
+        spec = cfg.speculative
+        draft = None
+        if spec is not None and spec.method == "draft":  # whole, on rank 0
+            draft = load_draft(
+                spec.draft_model, self.arch, self.tokenizer, self.dtype, self.device, self.max_model_len,
+                cfg.model_cache_dir,
+            )
+        local = local_arch(self.arch, shard)
+        bytes_per_block = ModelRunner.bytes_per_block(local, self.block_size, self.dtype)
+        if draft is not None:  # the draft's KV pool mirrors the target's blocks, from the same budget
+            bytes_per_block += ModelRunner.bytes_per_block(draft[1], self.block_size, self.dtype)
+        ranks_per_host = shard.size if self.device.type == "cpu" else 1
+        num_blocks = kv_budget_bytes(cfg.kv_cache_bytes, self.device, self.max_model_len, self.block_size,
+                                     cfg.max_num_seqs, bytes_per_block, ranks_per_host) // bytes_per_block
+        if group is not None:
+            num_blocks = group.agree_num_blocks(num_blocks)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"a KV pool of {num_blocks} blocks x {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_bytes (needs at least "
+                f"{-(-self.max_model_len // self.block_size) * bytes_per_block} bytes) or lower max_model_len"
+            )
+        if group is None:
+            executor = Executor(ModelRunner(model, local, num_blocks, self.block_size, self.dtype, self.device))
+        else:
+            executor = ParallelExecutor(group, self.arch, model, local, num_blocks, self.block_size, self.dtype,
+                                        self.device)
+        return executor, num_blocks, bytes_per_block, draft
+
+    def _rank_spec(self) -> RankSpec:
+        cfg = self.config
+        return RankSpec(
+            model_dir=str(self.model_dir), arch=self.arch, dtype=self.dtype, device_type=self.device.type,
+            max_model_len=self.max_model_len, block_size=self.block_size, kv_cache_bytes=cfg.kv_cache_bytes,
+            max_num_seqs=cfg.max_num_seqs, size=cfg.tensor_parallel_size, num_threads=torch.get_num_threads(),
+            store_port=0, timeout_s=cfg.tensor_parallel_timeout_s,
+        )
 
     def _default_model_salt(self) -> str:
         config_text = (self.model_dir / "config.json").read_text()
@@ -312,6 +346,11 @@ class Engine:
         self._detokenizers.pop(request.request_id, None)
         return True
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do at tensor_parallel_size=1). The engine
+        cannot step afterwards. Idempotent."""
+        self.executor.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
@@ -355,7 +394,7 @@ class Engine:
             if self._compiling:  # nothing else to do: give the compiles the CPU rather than spin
                 wait([r.grammar.compiled for r in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
             return outputs
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)
         if self.spec is not None:
             self.spec.observe(sched.requests, result.sampled)
         return outputs + self._update(sched, result)

@@ -13,8 +13,19 @@ from worker.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs) -> None:
+        """`engine_kwargs`: `EngineConfig` fields (`tensor_parallel_size=N` splits the model over N ranks)."""
         self.engine = Engine(model, **engine_kwargs)
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (`Engine.close`)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -92,11 +92,18 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def forward_hidden(self, chunks: list[SeqChunk]) -> tuple[ModelInput, torch.Tensor]:
+        """Run the decoder over one flat batch (writing every chunk's KV): its inputs and the
+        [num_tokens, hidden] final-normed hidden states. A tensor-parallel rank other than 0 stops here."""
+        inputs = self.prepare(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.slot_mapping, inputs.attention)
+        return inputs, hidden
+
+    @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
         """Run one flat batch: write every chunk's KV, return [sum of num_logits, vocab] float32
         logits on the CPU (None when no chunk wants any)."""
-        inputs = self.prepare(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.slot_mapping, inputs.attention)
+        inputs, hidden = self.forward_hidden(chunks)
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()

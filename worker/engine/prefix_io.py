@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.executor import Executor
 from worker.engine.kv_cache import CachedBlock, KVCacheManager
 
 # The pool's axes; bump when ModelRunner.kv_cache changes layout (a stored block then no longer fits).
@@ -22,7 +23,7 @@ class KVLayout:
     """What one block of KV looks like: equal layouts can exchange blocks."""
 
     axes: str  # KV_LAYOUT
-    block_shape: tuple[int, ...]  # one block's KV: [layers, 2, kv heads, block size, head dim]
+    block_shape: tuple[int, ...]  # one block's KV: [layers, 2, kv heads (all of them), block size, head dim]
     dtype: torch.dtype
     block_size: int
 
@@ -34,11 +35,10 @@ class KVLayout:
 class PrefixBlocks:
     """Export and import of cached blocks. Not thread-safe: call from the engine's thread, between steps."""
 
-    def __init__(self, kv: KVCacheManager, pool: torch.Tensor) -> None:
+    def __init__(self, kv: KVCacheManager, executor: Executor, layout: KVLayout) -> None:
         self._kv = kv
-        self._pool = pool  # [layers, 2, blocks, kv heads, block size, head dim]
-        shape = tuple(pool.shape)
-        self.layout = KVLayout(KV_LAYOUT, shape[:2] + shape[3:], pool.dtype, kv.block_size)
+        self._executor = executor  # reads and writes whole blocks (every kv head, every rank's)
+        self.layout = layout
 
     @property
     def enabled(self) -> bool:
@@ -57,8 +57,7 @@ class PrefixBlocks:
 
     def read(self, keys: list[bytes]) -> torch.Tensor:
         """KV of the cached blocks `keys`, on the CPU: [layers, 2, len(keys), kv heads, block size, head dim]."""
-        ids = torch.tensor([self._kv.cached[key] for key in keys], device=self._pool.device)
-        return self._pool.index_select(2, ids).cpu()
+        return self._executor.read_blocks([self._kv.cached[key] for key in keys])
 
     def adopt(self, blocks: list[CachedBlock], kv: torch.Tensor) -> int:
         """Cache `blocks` (children before parents is best: adopted blocks join the back of the
@@ -71,6 +70,5 @@ class PrefixBlocks:
                 targets.append(block)
                 sources.append(i)
         if targets:
-            dst = torch.tensor(targets, device=self._pool.device)
-            self._pool.index_copy_(2, dst, kv.index_select(2, torch.tensor(sources)).to(self._pool.device))
+            self._executor.write_blocks(targets, kv.index_select(2, torch.tensor(sources)))
         return len(targets)

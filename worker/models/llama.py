@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import kernels
 from kernels import AttentionMetadata, QuantizedWeight
 from worker.models.config import ModelArch, rope_cos_sin_cache
+from worker.models.sharding import UNSHARDED, Shard, local_arch
 
 
 def _linear(layer: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -62,16 +64,26 @@ def _held_tensor(weight) -> torch.Tensor:
     return weight.tiles if isinstance(weight, QuantizedWeight) else weight.panels
 
 
+def _all_reduce(partial: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A row-parallel product's partial sums (one per rank) -> the whole product, on every rank."""
+    if shard.size > 1:
+        dist.all_reduce(partial)
+    return partial
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    """One rank's heads (`arch` is the rank's local_arch): q/k/v column-parallel, o_proj row-parallel."""
+
+    def __init__(self, arch: ModelArch, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
         self.eps = arch.rms_norm_eps
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias and shard.rank == 0)
         if arch.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
             self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
@@ -98,26 +110,31 @@ class Attention(nn.Module):
             k = kernels.rms_norm(k, self.k_norm, self.eps)[0]
         q = kernels.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return _linear(self.o_proj, out.reshape(num_tokens, self.q_size))
+        return _all_reduce(_linear(self.o_proj, out.reshape(num_tokens, self.q_size)), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    """One rank's share of the features (`arch` is the rank's local_arch): gate/up column-parallel,
+    down_proj row-parallel."""
+
+    def __init__(self, arch: ModelArch, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias and shard.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self.down_proj, kernels.silu_and_mul(_linear(self.gate_up_proj, x)))
+        hidden = _linear(self.down_proj, kernels.silu_and_mul(_linear(self.gate_up_proj, x)))
+        return _all_reduce(hidden, self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, shard: Shard) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
-        self.self_attn = Attention(arch)
-        self.mlp = MLP(arch)
+        self.self_attn = Attention(arch, shard)
+        self.mlp = MLP(arch, shard)
         self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
 
@@ -130,13 +147,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder + LM head. `forward` returns hidden states; `compute_logits` only for sampled rows."""
+    """Decoder + LM head. `forward` returns hidden states; `compute_logits` only for sampled rows.
 
-    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+    With a `shard` of a tensor-parallel group the layers hold that rank's heads and features
+    (worker/models/sharding.py); embeddings, norms and the LM head stay whole on every rank, and
+    `forward` returns the same hidden states on all of them."""
+
+    def __init__(self, arch: ModelArch, max_positions: int, shard: Shard = UNSHARDED) -> None:
         super().__init__()
         self.arch = arch
+        self.shard = shard
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        local = local_arch(arch, shard)
+        self.layers = nn.ModuleList(DecoderLayer(local, shard) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         if arch.tie_word_embeddings:
             self.lm_head = None
@@ -188,7 +211,10 @@ class LlamaModel(nn.Module):
 
     def _build_native_stack(self):
         """`kernels.decoder_stack` over the packed layers, or None where some projection stayed
-        a plain tensor (not float32, or another backend)."""
+        a plain tensor (not float32, or another backend) or the layers are sharded (the native
+        stack runs every layer in one call, with no point between them for the all-reduces)."""
+        if self.shard.size > 1:
+            return None
         projections = [
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in self.layers

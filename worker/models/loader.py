@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from worker.models.gguf_cache import converted_checkpoint
 from worker.models.llama import LlamaModel
 from worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
+from worker.models.sharding import UNSHARDED, Shard, TensorParallelError, checkpoint_index, local_arch
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ModelNotFoundError(f"no safetensors weights in {model_dir} (Ferry loads only safetensors)")
 
 
-# Checkpoint name -> (Ferry parameter, shard). A shard names the slice of a fused parameter;
+# Checkpoint name -> (Ferry parameter, part). A part names the slice of a fused parameter;
 # None means the tensor maps one to one.
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
@@ -142,7 +144,7 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def map_name(name: str) -> tuple[str, str | None] | None:
-    """Map a checkpoint tensor name to (Ferry parameter name, shard), or None to skip it."""
+    """Map a checkpoint tensor name to (Ferry parameter name, fused part), or None to skip it."""
     if _IGNORED.search(name):
         return None
     if not name.startswith(("model.", "lm_head.")):
@@ -156,12 +158,13 @@ def map_name(name: str) -> tuple[str, str | None] | None:
     for suffix in ("weight", "bias"):
         module = rest.removesuffix("." + suffix)
         if module != rest and module in _FUSED:
-            target, shard = _FUSED[module]
-            return f"layers.{layer}.{target}.{suffix}", shard
+            target, part = _FUSED[module]
+            return f"layers.{layer}.{target}.{suffix}", part
     return f"layers.{layer}.{_RENAMED.get(rest, rest)}", None
 
 
-def _shard_rows(arch: ModelArch, shard: str) -> slice:
+def _shard_rows(arch: ModelArch, part: str) -> slice:
+    """Rows of a fused parameter (qkv_proj, gate_up_proj) that checkpoint part `part` fills."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     return {
         "q": slice(0, q),
@@ -169,7 +172,7 @@ def _shard_rows(arch: ModelArch, shard: str) -> slice:
         "v": slice(q + kv, q + 2 * kv),
         "gate": slice(0, arch.intermediate_size),
         "up": slice(arch.intermediate_size, 2 * arch.intermediate_size),
-    }[shard]
+    }[part]
 
 
 def load_model(
@@ -179,45 +182,37 @@ def load_model(
     device: torch.device,
     max_positions: int,
     quantization: Quantization = NO_QUANTIZATION,
+    shard: Shard = UNSHARDED,
 ):
     """Build the model on `device` in `dtype` and fill every parameter from the checkpoint
-    (a GGUF's kept blocks from the file itself, see worker/models/quantization.py)."""
+    (a GGUF's kept blocks from the file itself, see worker/models/quantization.py). With a
+    tensor-parallel `shard`, the rank's own part of the model (worker/models/sharding.py),
+    read from the checkpoint slice by slice."""
+    if shard.size > 1 and quantization.method != "none":
+        raise TensorParallelError(f"quantization={quantization.method!r} is served at tensor_parallel_size=1 only")
     with torch.device("meta"):
-        model = LlamaModel(arch, max_positions)
+        model = LlamaModel(arch, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
     # The rotary table stays float32 whatever the weights' dtype (as in transformers).
     model.cos_sin = rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions).to(device)
     kept = {} if quantization.gguf is None else gguf_kept_weights(quantization.gguf, arch)
     model.keep_quantized(kept)
     params = dict(model.named_parameters())
-    # Each parameter must be covered fully: count the rows each shard fills.
+    local = local_arch(arch, shard)
+    # Each parameter must be covered fully: count the rows each part fills.
     filled: dict[str, int] = {name: 0 for name in params}
-    files = weight_files(model_dir)
-    with tqdm(total=len(files), desc="loading weights", unit="file", disable=len(files) < 2) as bar:
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    mapped = map_name(name)
-                    if mapped is None:
-                        continue
-                    target, shard = mapped
-                    if (target == "lm_head" and arch.tie_word_embeddings) or target in kept:
-                        continue  # tied (the embedding is the head), or held quantized
-                    if target not in params:
-                        raise ValueError(
-                            f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured"
-                        )
-                    tensor = f.get_tensor(name)
-                    dest = params[target].data
-                    if shard is not None:
-                        dest = dest[_shard_rows(arch, shard)]
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor.to(dtype))
-                    filled[target] += tensor.shape[0]
-            bar.update()
+    for name, target, part, tensor in checkpoint_tensors(model_dir, arch, shard, skip=set(kept)):
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured")
+        dest = params[target].data
+        if part is not None:
+            dest = dest[_shard_rows(local, part)]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} on this rank, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor.to(dtype))
+        filled[target] += tensor.shape[0]
     missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
@@ -228,6 +223,30 @@ def load_model(
     return model
 
 
+def checkpoint_tensors(
+    model_dir: Path, arch: ModelArch, shard: Shard = UNSHARDED, skip: set[str] = frozenset()
+) -> Iterator[tuple[str, str, str | None, torch.Tensor]]:
+    """(checkpoint name, parameter, fused part, tensor) for every tensor the rank's model takes
+    from the checkpoint, except parameters in `skip`. Only the rank's slice of each tensor is read
+    (safetensors' get_slice reads those bytes alone): a rank never holds a whole sharded tensor."""
+    files = weight_files(model_dir)
+    with tqdm(total=len(files), desc="loading weights", unit="file", disable=len(files) < 2) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    mapped = map_name(name)
+                    if mapped is None:
+                        continue
+                    target, part = mapped
+                    if (target == "lm_head" and arch.tie_word_embeddings) or target in skip:
+                        continue  # tied (the embedding is the head), or held quantized
+                    index = checkpoint_index(arch, shard, target, part)
+                    if index is None:
+                        continue  # a part of the model another rank holds
+                    yield name, target, part, f.get_slice(name)[index] if index else f.get_tensor(name)
+            bar.update()
+
+
 def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, QuantizedWeight]:
     """The model's matrices that stay in the file's blocks (KEPT_TYPES), by parameter name. A
     fused parameter qualifies only when all its parts are in one kept type; the rest are loaded
@@ -236,8 +255,8 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
     for tensor in checkpoint.tensors:
         mapped = map_name(tensor.name)
         if mapped is not None and len(tensor.shape) == 2:
-            target, shard = mapped
-            parts.setdefault(target, {})[shard] = tensor
+            target, part = mapped
+            parts.setdefault(target, {})[part] = tensor
     kept = {}
     for target, shards in parts.items():
         tensors = [shards[s] for s in sorted(shards, key=lambda s: 0 if s is None else _shard_rows(arch, s).start)]

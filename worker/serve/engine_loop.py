@@ -31,6 +31,7 @@ from worker.engine import (
     EngineStats,
     InvalidSamplingParams,
     InvalidStructuredOutputError,
+    RankFailedError,
     RequestOutput,
     Resume,
     SamplingParams,
@@ -118,6 +119,7 @@ class EngineLoop:
         self.runs: dict[str, _Run] = {}
         self.stats: EngineStats | None = None  # latest, replaced whole (read by other threads)
         self.stop = threading.Event()
+        self.fatal: RankFailedError | None = None  # set once the engine can no longer step (the worker exits)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._arriving = 0  # jobs announced by the intake and not yet started or settled
         self._arriving_lock = threading.Lock()
@@ -162,7 +164,7 @@ class EngineLoop:
             self._expire(writes)
             if self.engine.has_unfinished_requests():
                 writes += self._step()
-            elif self.idle_task is not None:
+            elif self.idle_task is not None and self.fatal is None:
                 self.idle_task()
             now = time.monotonic()
             # A job's end refreshes them before its terminal write goes out: whoever sees the job
@@ -208,6 +210,10 @@ class EngineLoop:
     def _step(self) -> list[JobWrite]:
         try:
             outputs = self.engine.step()
+        except RankFailedError as exc:  # a tensor-parallel rank is gone: no step can run; the jobs go back
+            log.critical("tensor-parallel rank failed: handing every job back", extra={"error": str(exc)})
+            self.fatal = exc
+            return self._hand_back()
         except Exception as exc:  # the engine failed on this batch: fail its jobs, keep serving others
             log.exception("engine step failed")
             return [self._fail(job_id, ErrorCode.ENGINE_ERROR, f"engine error: {exc}") for job_id in list(self.runs)]

@@ -11,6 +11,8 @@ Threads (the engine's never waits on the network):
 Drain (SIGTERM/SIGINT, or idle for `idle_timeout_s`): stop pulling; let running jobs finish for up
 to `drain_timeout_s`; hand the rest back to the queue at once (another worker resumes them from
 their event streams); snapshot the prefix cache when the engine can and a URL is set; exit 0.
+A tensor-parallel rank that dies or hangs ends the engine: its jobs are handed back at once, the
+worker drains the same way (no snapshot) and exits with EXIT_ENGINE_FAILED.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 
 import redis
 
+from worker.engine.parallel.group import RankFailedError
 from worker.protocol import Keys
 from worker.serve import jsonlog
 from worker.serve.health import serve
@@ -42,6 +45,7 @@ log = logging.getLogger("ferry.worker")
 MODEL_LIMITS_TTL_S = 7 * 86400  # a model scaled to zero keeps its limits known to the API this long
 _FIRST_CHUNK = 8  # jobs of a burst decided and started first, so the engine can start stepping early
 _LIVE_ONLY_BLOCK_MS = 50  # blocking read for live jobs while every slot holds a low-lane one
+EXIT_ENGINE_FAILED = 3  # a tensor-parallel rank failed: the jobs were handed back, the orchestrator restarts us
 _HAND_BACK_WAIT_S = 10.0  # how long a drain waits for hand-backs to reach Redis before leaving them to the reaper
 
 
@@ -94,6 +98,9 @@ class Worker:
                 log.critical("cannot serve the model: refusing to start",
                              extra={"model": self.settings.engine.model, "error": f"{type(exc).__name__}: {exc}"})
                 return 2
+            except RankFailedError as exc:  # a tensor-parallel rank died or failed while loading
+                log.critical("a tensor-parallel rank failed to start", extra={"error": str(exc)})
+                return EXIT_ENGINE_FAILED
             if self.draining.is_set():
                 return 0
             self._backoff("ensure groups", self.draining, self.consumer.ensure_groups)
@@ -108,6 +115,8 @@ class Worker:
         finally:
             self.stop.set()
             http.shutdown()
+            if self.engine is not None:
+                self.engine.close()  # stops tensor-parallel ranks
 
     def _is_ready(self) -> bool:
         """/readyz: loaded, not draining, and the intake went round its loop recently (it is stuck
@@ -163,7 +172,9 @@ class Worker:
     def _wait_until_drain(self) -> None:
         idle_since = time.monotonic()
         while not self.draining.wait(0.1):
-            if self.leases or self.runner.runs or self.runner.arriving:
+            if self.runner.fatal is not None:
+                self._begin_drain("engine failed")
+            elif self.leases or self.runner.runs or self.runner.arriving:
                 idle_since = time.monotonic()
             elif (
                 self.settings.idle_timeout_s is not None
@@ -205,11 +216,11 @@ class Worker:
         except UNAVAILABLE:
             pass  # the heartbeat key expires by itself
         log.info("drain finished")
-        return 0
+        return 0 if self.runner.fatal is None else EXIT_ENGINE_FAILED
 
     def _save_snapshot(self) -> None:
         """Save the prefix cache on the way out (the engine thread has stopped: safe to touch the engine)."""
-        if self.snapshots is not None:
+        if self.snapshots is not None and self.runner.fatal is None:
             self.snapshots.save_now()
 
     def _backoff(self, what: str, stop: threading.Event, fn, *args):

@@ -14,8 +14,8 @@ _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # weight data hashed per file
 
 def fingerprint(engine: Engine) -> str:
     """sha256 of the model's config, weight files (names, sizes, header and data samples), dtype,
-    quantization, block size, KV layout and the prefix cache's key salt. A snapshot restores only into an engine
-    with the same fingerprint."""
+    quantization, block size, KV layout, tensor-parallel size and the prefix cache's key salt. A
+    snapshot restores only into an engine with the same fingerprint."""
     config = json.loads((engine.model_dir / "config.json").read_text())
     config.pop("transformers_version", None)  # re-saving with another library release changes nothing
     layout = engine.prefix_blocks.layout
@@ -33,6 +33,8 @@ def fingerprint(engine: Engine) -> str:
     }
     if engine.quantization != "none":  # an unquantized engine's fingerprint stays what it was
         parts["quantization"] = engine.quantization
+    if engine.tensor_parallel_size > 1:  # other partial sums, other KV bits: blocks stay within one layout
+        parts["tensor_parallel_size"] = engine.tensor_parallel_size
     return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

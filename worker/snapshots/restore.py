@@ -70,7 +70,8 @@ def load_snapshot(engine: Engine, url: str | ObjectStore, progress: bool = False
         raise SnapshotError(
             "foreign",
             f"{store.url}/{key} was made by another model or configuration ({manifest.model}); this engine runs "
-            f"{engine.model_dir.name} {str(engine.dtype).removeprefix('torch.')} block size {engine.block_size}",
+            f"{engine.model_dir.name} {str(engine.dtype).removeprefix('torch.')} block size {engine.block_size} "
+            f"tensor_parallel_size {engine.tensor_parallel_size}",
         )
     tensors = _fetch_shards(engine, store, key, manifest, progress)
     blocks = _import_blocks(engine, manifest, tensors)

@@ -1,0 +1,140 @@
+"""Executors: how the engine's step reaches the model, on one device or on a tensor-parallel group.
+
+- `Executor` (tensor_parallel_size=1): the model runner in the engine's own process, called
+  directly: no other process, no copy, no collective.
+- `ParallelExecutor` (N > 1): rank 0 is the engine's process and runs the same model runner over
+  its shard; before each forward pass it broadcasts the step's flat batch metadata once to ranks
+  1..N-1 (`worker.engine.parallel`), which run their shards in lockstep (two all-reduces per
+  layer, inside the model). Sampling happens on rank 0 alone, on the full logits of its
+  replicated LM head. The block manager and prefix cache stay single, in the engine: a block id
+  names the same block on every rank, and each rank's pool holds its kv heads of it.
+
+Both expose `execute` (one step), `read_blocks` / `write_blocks` (whole blocks, every kv head,
+for snapshots) and `close`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from worker.engine.model_runner import ModelRunner, SeqChunk, StepOutput
+from worker.engine.parallel.group import RankFailedError, RankGroup
+from worker.engine.parallel.wire import Op, pack_chunks
+from worker.engine.scheduler import SchedulerOutput
+from worker.models.config import ModelArch
+from worker.models.sharding import Shard, TensorParallelError, check_divisible, holds_kv_heads
+
+
+def check_tensor_parallel(arch: ModelArch, size: int, device: torch.device, quantization: str | None) -> None:
+    """TensorParallelError, before any weight is loaded, where `size` ranks cannot serve `arch`
+    here: heads or MLP not divisible, more ranks than GPUs, a device or quantization that has
+    no sharded path. On the CPU the ranks are processes on the same cores: any size goes."""
+    check_divisible(arch, size)
+    if size == 1:
+        return
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise TensorParallelError(
+                f"tensor_parallel_size={size} runs rank r on cuda:r: give device='cuda', not {device}"
+            )
+        available = torch.cuda.device_count()
+        if size > available:
+            raise TensorParallelError(f"tensor_parallel_size={size} needs {size} GPUs; {available} are visible")
+    elif device.type != "cpu":
+        raise TensorParallelError(f"tensor parallelism runs on cuda or cpu, not {device.type}")
+    if quantization not in (None, "none"):
+        raise TensorParallelError(
+            f"quantization={quantization!r} is served at tensor_parallel_size=1 only; use 'none' to shard float weights"
+        )
+
+
+class Executor:
+    """tensor_parallel_size=1: the engine's own model runner."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        return self.runner.execute(sched)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """KV of these blocks on the CPU: [layers, 2, len(block_ids), kv heads, block size, head dim]."""
+        pool = self.runner.kv_cache
+        return pool.index_select(2, torch.tensor(block_ids, device=pool.device)).cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Fill these blocks with `kv` (read_blocks' shape)."""
+        pool = self.runner.kv_cache
+        pool.index_copy_(2, torch.tensor(block_ids, device=pool.device), kv.to(pool.device))
+
+    def close(self) -> None:
+        """Nothing to stop in one process."""
+
+
+class _ShardRunner(ModelRunner):
+    """Rank 0's model runner: each forward pass is announced to the other ranks first."""
+
+    def __init__(self, group: RankGroup, *args) -> None:
+        super().__init__(*args)
+        self.group = group
+
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        self.group.send(Op.STEP, pack_chunks(chunks))
+        return super().forward(chunks)
+
+
+class ParallelExecutor(Executor):
+    """tensor_parallel_size=N: rank 0 here, ranks 1..N-1 in `group`'s processes."""
+
+    def __init__(self, group: RankGroup, arch: ModelArch, model, local: ModelArch, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device) -> None:
+        super().__init__(_ShardRunner(group, model, local, num_blocks, block_size, dtype, device))
+        self.group = group
+        self.arch = arch  # the whole model's: a block read here has all its kv heads
+        size = group.shard.size
+        # The ranks whose pools together hold every kv head once, in head order (a rank's heads
+        # follow the lower ranks').
+        self._head_ranks = [r for r in range(size) if holds_kv_heads(arch, Shard(r, size))]
+
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        """One step on every rank; RankFailedError once any rank has failed (and from then on)."""
+        self.group.check()
+        try:
+            return self.runner.execute(sched)
+        except RankFailedError:
+            raise
+        except Exception as exc:  # mid-step the ranks' pools no longer agree: no later step can be right
+            raise self.group.fail(exc) from exc
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Every rank's heads of these blocks, gathered here in head order."""
+        pool = self.runner.kv_cache
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        try:
+            self.group.send(Op.READ_BLOCKS, ids)
+            mine = pool.index_select(2, ids.to(pool.device)).contiguous()
+            parts = [torch.empty_like(mine) for _ in range(self.group.shard.size)]
+            dist.gather(mine, parts, dst=0)
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            raise self.group.fail(exc) from exc
+        return torch.cat([parts[r] for r in self._head_ranks], dim=3).cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """`kv` holds every kv head: each rank keeps its own."""
+        pool = self.runner.kv_cache
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        try:
+            self.group.send(Op.WRITE_BLOCKS, ids)
+            full = kv.to(device=pool.device, dtype=pool.dtype).contiguous()
+            dist.broadcast(full, 0)
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            raise self.group.fail(exc) from exc
+        pool.index_copy_(2, ids.to(pool.device), full[:, :, :, : pool.shape[3]])
+
+    def close(self) -> None:
+        self.group.close()

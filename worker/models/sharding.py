@@ -1,0 +1,102 @@
+"""Tensor-parallel sharding of the Llama-family decoder (Megatron-style): what rank r of N holds.
+
+- q heads [r*H/N, (r+1)*H/N): rows of q_proj (and its bias), columns of o_proj;
+- kv heads [r*Hkv/N, (r+1)*Hkv/N) of k_proj and v_proj when N divides Hkv; when Hkv < N (N a
+  multiple of Hkv) the one kv head its q heads read, r // (N / Hkv), held by N / Hkv ranks
+  (replicated, as vLLM does): grouped-query attention never crosses a rank;
+- intermediate rows [r*I/N, (r+1)*I/N) of gate_proj and up_proj, the same columns of down_proj;
+- everything else whole: embeddings, LM head, RMSNorm weights (q/k norms are per head_dim).
+
+q/k/v and gate/up are column-parallel: a rank's product is its own heads' (features') output,
+no communication. o_proj and down_proj are row-parallel: a rank's product is a partial sum over
+its columns, all-reduced once each per layer; their biases are added by rank 0 alone.
+Each rank's KV pool holds its kv heads of every block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from worker.models.config import ModelArch
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel size that cannot apply to this model or machine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank's place in the tensor-parallel group."""
+
+    rank: int = 0  # 0 is the engine's own process: it samples, and adds the row-parallel biases
+    size: int = 1  # tensor_parallel_size: 1 is the unsharded model
+
+
+UNSHARDED = Shard()
+
+
+def check_divisible(arch: ModelArch, size: int) -> None:
+    """TensorParallelError unless `arch` splits over `size` ranks as the module docstring says."""
+    if size < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {size}")
+    if arch.num_heads % size:
+        raise TensorParallelError(
+            f"num_attention_heads={arch.num_heads} is not divisible by tensor_parallel_size={size}"
+        )
+    if arch.num_kv_heads % size and size % arch.num_kv_heads:
+        raise TensorParallelError(
+            f"num_key_value_heads={arch.num_kv_heads} neither divides nor is divisible by tensor_parallel_size={size}"
+        )
+    if arch.intermediate_size % size:
+        raise TensorParallelError(
+            f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel_size={size}"
+        )
+
+
+def local_arch(arch: ModelArch, shard: Shard) -> ModelArch:
+    """The shapes one rank's layers have: its heads and its share of the MLP."""
+    if shard.size == 1:
+        return arch
+    return replace(
+        arch,
+        num_heads=arch.num_heads // shard.size,
+        num_kv_heads=max(arch.num_kv_heads // shard.size, 1),
+        intermediate_size=arch.intermediate_size // shard.size,
+    )
+
+
+def first_kv_head(arch: ModelArch, shard: Shard) -> int:
+    """The first of the rank's kv heads (in the unsharded model's numbering)."""
+    if arch.num_kv_heads >= shard.size:
+        return shard.rank * (arch.num_kv_heads // shard.size)
+    return shard.rank // (shard.size // arch.num_kv_heads)
+
+
+def holds_kv_heads(arch: ModelArch, shard: Shard) -> bool:
+    """Whether this rank is the first holder of its kv heads (the one snapshots read them from)."""
+    if arch.num_kv_heads >= shard.size:
+        return True
+    return shard.rank % (shard.size // arch.num_kv_heads) == 0
+
+
+def checkpoint_index(arch: ModelArch, shard: Shard, target: str, part: str | None) -> tuple[slice, ...] | None:
+    """The index into a checkpoint tensor (safetensors' get_slice) that this rank reads for
+    parameter `target` (a fused `part`: q, k, v, gate, up); () for the whole tensor; None when
+    the rank holds no part of it (a row-parallel bias on ranks other than 0)."""
+    if shard.size == 1:
+        return ()
+    local = local_arch(arch, shard)
+    d = arch.head_dim
+    q = slice(shard.rank * local.num_heads * d, (shard.rank + 1) * local.num_heads * d)
+    kv_start = first_kv_head(arch, shard) * d
+    kv = slice(kv_start, kv_start + local.num_kv_heads * d)
+    mlp = slice(shard.rank * local.intermediate_size, (shard.rank + 1) * local.intermediate_size)
+    if part is not None:  # column-parallel: the rank's output rows (weight and bias alike)
+        return ({"q": q, "k": kv, "v": kv, "gate": mlp, "up": mlp}[part],)
+    if target.endswith(("self_attn.o_proj.bias", "mlp.down_proj.bias")):
+        return () if shard.rank == 0 else None
+    if target.endswith("self_attn.o_proj.weight"):  # row-parallel: the rank's input columns
+        return (slice(None), q)
+    if target.endswith("mlp.down_proj.weight"):
+        return (slice(None), mlp)
+    return ()
