@@ -10,7 +10,6 @@ import argparse
 import logging
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aredis
 from fastapi import FastAPI
 
 from api.auth import KeyRing
@@ -21,6 +20,7 @@ from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
 from worker.protocol import Keys
+from worker.protocol.connect import connect_async
 from worker.protocol.objectstore import open_store
 
 log = logging.getLogger("ferry.api")
@@ -63,18 +63,17 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         # A blocking pool: under a burst, requests queue for a connection instead of failing.
         # Socket timeouts: with Redis paused or gone, a request fails (503 + Retry-After) within
         # about a second instead of hanging for the whole outage.
-        pool = aredis.BlockingConnectionPool.from_url(
-            settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
-            timeout=settings.redis_pool_timeout_s, socket_connect_timeout=settings.redis_socket_timeout_s,
-            socket_timeout=settings.redis_socket_timeout_s,
+        client = connect_async(
+            settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
+            max_connections=settings.redis_max_connections, pool_timeout_s=settings.redis_pool_timeout_s,
+            socket_connect_timeout=settings.redis_socket_timeout_s, socket_timeout=settings.redis_socket_timeout_s,
         )
-        client = aredis.Redis.from_pool(pool)
         hub = PubSubHub(client)
         hub.start()
         app.state.services = Services(
             settings=settings,
             redis=client,
-            keys=Keys(settings.key_prefix),
+            keys=Keys(settings.key_prefix, settings.queue_shards),
             hub=hub,
             keyring=keyring,
             metrics=ApiMetrics(lambda: hub.num_followers),

@@ -185,6 +185,8 @@ async def _lost_in_restart(svc: Services, job_id: str) -> bool:
     """Whether the id names a job accepted before Redis last started, recently enough that its
     record would still be there (the id carries its creation time: `new_job_id`)."""
     created = job_id_created_at(job_id)
+    if svc.settings.redis_cluster:
+        return False  # a cluster's failover promotes a replica holding the data; no one server's start says more
     if created is None or time.time() - created > svc.settings.result_ttl_s + svc.settings.job_ttl_s:
         return False
     # Redis reports its uptime in whole seconds: a job within a second of the start is not claimed lost.

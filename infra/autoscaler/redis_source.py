@@ -21,9 +21,9 @@ HEARTBEAT_HORIZON_S = 600  # workers not seen for this long are not even looked 
 class RedisBacklog:
     """Observations for each model from one Redis connection (`decode_responses=True`)."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str, shards: int = 1) -> None:
         self.client = client
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, shards)
 
     def observe(self, models: list[str], t: float) -> dict[str, Observation]:
         live = self.live_workers()

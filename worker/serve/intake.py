@@ -1,9 +1,10 @@
 """The Redis side of taking jobs: read, reclaim, decide, start, renew.
 
-- `read`: XREADGROUP on the served model's queue streams, high before normal before low, never
-  more entries than the engine has room for (the rest wait in Redis, visible to other workers
-  and the autoscaler).
-- `reap`: XAUTOCLAIM entries whose lease ran out (their worker died) on the same streams.
+- `read`: XREADGROUP on the served model's queue streams, high before normal before low across
+  every shard, never more entries than the engine has room for (the rest wait in Redis, visible
+  to other workers and the autoscaler). Each call on a shard touches that shard's slot only; the
+  shard read first rotates, so no shard's jobs wait behind another's of the same priority.
+- `reap`: XAUTOCLAIM entries whose lease ran out (their worker died), stream by stream.
 - `prepare`: per delivered entry, read the job hash and its event stream in one round trip and
   decide: skip (already terminal), fail (malformed envelope, unknown job, bad request, too many
   deliveries -> `{p}:dlq`), cancel, time out (TTL passed before it ever started), or start. A
@@ -84,11 +85,13 @@ class Consumer:
         self.settings = settings
         self.worker_id = worker_id
         self.model = settings.served_model_name
-        self.streams = keys.queues(self.model)
-        self._start = client.register_script(lua.START)
+        self.streams = keys.queues(self.model)  # every shard's, in read order
+        self.shard_streams = [keys.shard_queues(self.model, n) for n in range(keys.shards)]
+        self._start = lua.register(client, lua.START)
         self._read = client.register_script(lua.READ)
         self._renew = client.register_script(lua.RENEW)
         self._reap_cursor = dict.fromkeys(self.streams, "0-0")
+        self._next_shard = 0  # the shard read first next time (rotates)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on each queue stream (and the stream) if missing."""
@@ -106,7 +109,11 @@ class Consumer:
         out = self._read_by_priority(room)
         if out or block_ms <= 0:
             return out
-        out = self._xreadgroup(dict.fromkeys(self.streams, ">"), count=1, block=block_ms)
+        # A blocking read names streams of one slot: block on one shard at a time, in turn, for a
+        # share of the block time, so a job in any shard is seen within about `block_ms`.
+        shard = self._rotate()
+        out = self._xreadgroup(dict.fromkeys(self.shard_streams[shard], ">"), count=1,
+                               block=max(1, block_ms // len(self.shard_streams)))
         # Whatever else arrived with it, then the lot in priority order. A client's batch can reach
         # Redis in several reads (its pipeline is processed in chunks, and the blocked read is
         # served after the first), so read until nothing more comes: jobs sent together then
@@ -119,8 +126,28 @@ class Consumer:
         out.sort(key=lambda d: self.streams.index(d.stream))
         return out
 
+    def _rotate(self) -> int:
+        shard = self._next_shard
+        self._next_shard = (shard + 1) % len(self.shard_streams)
+        return shard
+
     def _read_by_priority(self, room: int) -> list[Delivery]:
-        read, missing = self._read(keys=self.streams, args=[self.keys.group, self.worker_id, room])
+        """One READ script per call, each on one slot: all priorities of a single shard at once;
+        with several shards, one priority across the shards (first shard rotating) before the next."""
+        if len(self.shard_streams) == 1:
+            return self._read_streams(self.shard_streams[0], room)
+        first = self._rotate()
+        order = [self.shard_streams[(first + i) % len(self.shard_streams)] for i in range(len(self.shard_streams))]
+        out: list[Delivery] = []
+        for lane in range(len(order[0])):
+            for streams in order:
+                if len(out) >= room:
+                    return out
+                out += self._read_streams([streams[lane]], room - len(out))
+        return out
+
+    def _read_streams(self, streams: list[str], room: int) -> list[Delivery]:
+        read, missing = self._read(keys=streams, args=[self.keys.group, self.worker_id, room])
         if missing:
             self.ensure_groups()
         return [
@@ -168,19 +195,30 @@ class Consumer:
         """Renew the leases of `held` (job id, delivery); returns (lost job ids, cancelled job ids)."""
         if not held:
             return set(), set()
+        by_shard: dict[int, list[tuple[str, Delivery]]] = {}  # one RENEW per shard: a script's keys share a slot
+        for job_id, d in held:
+            by_shard.setdefault(self.keys.shard_of(job_id), []).append((job_id, d))
+        groups = list(by_shard.values())
+
         def build():
             pipe = self.client.pipeline(transaction=False)
-            lua.add(pipe, self._renew, [d.stream for _, d in held],
-                              [self.keys.group, self.worker_id] + [d.entry_id for _, d in held])
+            for group in groups:
+                lua.add(pipe, self._renew, [d.stream for _, d in group],
+                        [self.keys.group, self.worker_id] + [d.entry_id for _, d in group])
             for job_id, _ in held:
                 pipe.hget(self.keys.job(job_id), "cancel")
             return pipe
 
-        (lost_entries, missing), *flags = lua.raise_errors(lua.execute(build, [self._renew]))
+        results = lua.raise_errors(lua.execute(build, [self._renew]))
+        lost: set[str] = set()
+        missing: list[str] = []
+        for group, (lost_entries, missing_streams) in zip(groups, results[:len(groups)], strict=True):
+            lost |= {job_id for job_id, d in group if d.entry_id in set(lost_entries)}
+            missing += missing_streams
+        flags = results[len(groups):]
         if missing:
             log.warning("queue streams lost their group: recreating it", extra={"streams": missing})
             self.ensure_groups()
-        lost = {job_id for job_id, d in held if d.entry_id in set(lost_entries)}
         cancelled = {job_id for (job_id, _), flag in zip(held, flags, strict=True) if flag == "1"}
         return lost, cancelled
 

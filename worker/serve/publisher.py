@@ -23,6 +23,7 @@ from collections.abc import Callable
 import redis
 
 from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
+from worker.protocol.connect import UNAVAILABLE
 from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.serve.retry import Stopped, call_with_backoff
 from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
@@ -39,7 +40,7 @@ class Publisher:
         self.model = model
         self.worker_id = worker_id
         self.result_ttl_s = int(result_ttl_s)
-        self._emit = client.register_script(lua.EMIT)
+        self._emit = lua.register(client, lua.EMIT)
         self._hand_back = client.register_script(lua.HAND_BACK)
 
     def write(self, writes: list[JobWrite]) -> dict[str, Lost]:
@@ -67,8 +68,9 @@ class Publisher:
         results = lua.execute(build, [self._emit, self._hand_back])
         lost: dict[str, Lost] = {}
         for job_id, result in zip(answers, results, strict=True):
-            if isinstance(result, Exception) and not isinstance(result, redis.ResponseError):
-                raise result
+            if isinstance(result, UNAVAILABLE) or (isinstance(result, Exception)
+                                                   and not isinstance(result, redis.ResponseError)):
+                raise result  # the whole batch is retried: every write of it is idempotent
             if isinstance(result, Exception):
                 log.error("redis refused a write", extra={"job_id": job_id, "error": str(result)})
             elif job_id is not None and result in (0, -1):
@@ -93,7 +95,7 @@ class Publisher:
         d = w.delivery
         attempt = int(d.fields.get("attempt", "1") or 1) + 1
         started = w.attempts is not None
-        target = self.keys.queue(self.model, PRIORITIES[0]) if started else d.stream
+        target = self.keys.queue(self.model, PRIORITIES[0], self.keys.shard_of(w.job_id)) if started else d.stream
         keys = [d.stream, target, self.keys.job(w.job_id)]
         args = [TERMINAL_STATES_ARG, JobState.queued.value, self.keys.group, d.entry_id, self.worker_id,
                 w.attempts if started else "", *Envelope(job_id=w.job_id, attempt=attempt).to_args()]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from worker.protocol.connect import RedisTopology
 
 
-class WebhookSettings(BaseSettings):
+class WebhookSettings(RedisTopology):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -1,0 +1,74 @@
+"""How every Ferry process reaches Redis: one node, or a Redis Cluster (`FERRY_REDIS_CLUSTER=true`).
+
+`RedisTopology` holds the settings every process shares (each process's settings class inherits
+it, so they are declared once): whether `FERRY_REDIS_URL` is a cluster node, the queue shards
+per model, and how many replicas must hold an acknowledged write. `connect` and
+`connect_async` build the client: `redis.Redis` / `redis.asyncio.Redis` for one node, or
+`RedisCluster` and its asyncio twin, seeded from the one node named, which follow MOVED/ASK and
+retry a command with jittered exponential backoff while a primary fails over (connection errors,
+CLUSTERDOWN, TRYAGAIN, a slot briefly uncovered).
+
+`UNAVAILABLE` lists the errors that mean "Redis is not there right now" (a restart, a failover,
+the network), as opposed to "this command is wrong": a process retries them, and the API
+answers them with 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aredis
+from pydantic import Field
+from pydantic_settings import BaseSettings
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, MasterDownError, SlotNotCoveredError, TryAgainError
+from redis.retry import Retry
+
+from worker.protocol.keys import MAX_SHARDS
+
+UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ReadOnlyError,
+               ClusterDownError, TryAgainError, SlotNotCoveredError, MasterDownError)
+
+_RETRIES = 6  # per command; with the backoff below, about 3 s: a failover with a 1-2 s node timeout fits
+_BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.05, 1.0
+
+
+class RedisTopology(BaseSettings):
+    """`FERRY_REDIS_CLUSTER`, `FERRY_QUEUE_SHARDS`, `FERRY_REDIS_MIN_REPLICAS` (a mixin of every
+    process's settings; the same values must be given to all of them)."""
+
+    redis_cluster: bool = False  # FERRY_REDIS_URL is any node of a Redis Cluster
+    # Queue shards per model: each shard's streams and jobs share one hash slot, so N shards spread
+    # a model over up to N primaries. Every process must use the same number.
+    queue_shards: int = Field(1, ge=1, le=MAX_SHARDS)
+    # An enqueue (the API's 202) and a job's terminal write wait until this many replicas have it
+    # (WAIT); 0 = do not wait. Fewer in time is a 503 + Retry-After, never a silent success.
+    redis_min_replicas: int = Field(0, ge=0)
+    redis_replica_timeout_ms: int = Field(1000, ge=1)  # the WAIT's timeout
+
+
+def _retry() -> Retry:
+    return Retry(ExponentialWithJitterBackoff(base=_BACKOFF_BASE_S, cap=_BACKOFF_CAP_S), _RETRIES)
+
+
+def connect(url: str, *, cluster: bool, **kwargs) -> redis.Redis | RedisCluster:
+    """A sync client for `url` (`kwargs`: redis-py's connection options)."""
+    if cluster:
+        return RedisCluster.from_url(url, retry=_retry(), **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def connect_async(url: str, *, cluster: bool, max_connections: int, pool_timeout_s: float,
+                  **kwargs) -> aredis.Redis | AsyncRedisCluster:
+    """An asyncio client for `url`. On one node, a blocking pool: under a burst, requests queue for
+    a connection (up to `pool_timeout_s`) instead of failing; on a cluster, a pool per node."""
+    if cluster:
+        return AsyncRedisCluster.from_url(url, retry=_retry(), max_connections=max_connections, **kwargs)
+    pool = aredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s,
+                                                  **kwargs)
+    return aredis.Redis.from_pool(pool)
+
+
+def is_cluster(client) -> bool:
+    return isinstance(client, RedisCluster | AsyncRedisCluster)
