@@ -63,3 +63,20 @@ def test_scripts_publish_on_shard_channels_only_on_a_cluster(cclient):
 
     assert "SPUBLISH" in lua.register(cclient, lua.EMIT).script
     assert "'PUBLISH'" in lua.register(redis.Redis(), lua.EMIT).script
+
+
+def test_a_worker_reads_high_before_normal_before_low_across_shards(cclient, ckeys):
+    from worker.serve.intake import Consumer
+    from worker.serve.settings import WorkerSettings
+
+    consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
+    consumer.ensure_groups()
+    for shard, priority in ((0, "low"), (1, "normal"), (2, "high"), (0, "high"), (2, "low")):
+        cclient.xadd(ckeys.queue("tiny", priority, shard), {"job_id": f"j-{priority}-s{shard}", "attempt": "1"})
+    taken = [d.fields["job_id"] for d in consumer.read(room=3, block_ms=0)]
+    assert sorted(taken[:2]) == ["j-high-s0", "j-high-s2"] and taken[2] == "j-normal-s1"
+    rest = [d.fields["job_id"] for d in consumer.read(room=5, block_ms=0)]
+    assert sorted(rest) == ["j-low-s0", "j-low-s2"]
+    assert consumer.read(room=5, block_ms=300) == []  # blocks on the shards in turn, then gives up
+    cclient.xadd(ckeys.queue("tiny", "normal", 1), {"job_id": "late-s1", "attempt": "1"})
+    assert [d.fields["job_id"] for d in consumer.read(room=1, block_ms=300)] == ["late-s1"]
