@@ -20,7 +20,7 @@ from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
 from worker.protocol import Keys
-from worker.protocol.connect import connect_async
+from worker.protocol.connect import ReplicationWaiter, connect_async
 from worker.protocol.objectstore import open_store
 
 log = logging.getLogger("ferry.api")
@@ -78,6 +78,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             keyring=keyring,
             metrics=ApiMetrics(lambda: hub.num_followers),
             configured_models=configured,
+            replication=ReplicationWaiter(client, settings.redis_min_replicas, settings.redis_replica_timeout_ms)
+            if settings.redis_min_replicas else None,
         )
         app.state.files_store = open_store(settings.files_url)
         driver = BatchDriver(app.state.services, app.state.files_store)
@@ -88,6 +90,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         finally:
             await driver.close()
             await hub.close()
+            if app.state.services.replication is not None:
+                await app.state.services.replication.aclose()
             await client.aclose()
 
     app = FastAPI(

@@ -32,6 +32,7 @@ from worker.protocol import (
     job_id_created_at,
 )
 from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
+from worker.protocol.connect import ReplicationWaiter
 from worker.protocol.keys import watch_value
 
 MODEL_CACHE_S = 1.0
@@ -65,6 +66,7 @@ class Services:
     models_remembered: frozenset[str] = frozenset()  # seen live (or with limits) by this process: routable
     limits_seen: dict[str, tuple[float, ModelLimits | None]] = field(default_factory=dict)
     redis_started: tuple[float, float] = (float("-inf"), 0.0)  # (monotonic read time, unix start time)
+    replication: ReplicationWaiter | None = None  # FERRY_REDIS_MIN_REPLICAS > 0: a 202 waits for the replicas
 
 
 async def services(request: Request) -> Services:
@@ -203,6 +205,18 @@ async def redis_started_at(svc: Services) -> float:
     return started
 
 
+async def _check_replicated(svc: Services, job_id: str) -> None:
+    """A 202 only for a job at least `redis_min_replicas` replicas hold: a failover of its primary
+    cannot lose it. Fewer within the timeout is a 503 (the job may still run: retrying with the same
+    Idempotency-Key answers the same job)."""
+    waiter = svc.replication
+    acks = await waiter.wait(svc.keys.ack(job_id))
+    if acks < waiter.replicas:
+        raise ApiError(503, "not_replicated", f"the job reached {acks} of the {waiter.replicas} replicas required "
+                       f"within {waiter.timeout_ms} ms; retry (with an Idempotency-Key, retries name the same job)",
+                       headers={"Retry-After": "1"})
+
+
 def _same_request(a: JobRequest, b: JobRequest) -> bool:
     return a.model_dump(exclude={"created_at"}) == b.model_dump(exclude={"created_at"})
 
@@ -257,6 +271,8 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
     )
     if not result.created:  # lost a race with the same key
         return await _replay(svc, request, result.job_id)
+    if svc.replication is not None:
+        await _check_replicated(svc, result.job_id)
     if request.webhook is not None:
         # After the enqueue: the relay drops watch entries whose job hash it cannot find.
         await svc.redis.hset(svc.keys.webhook_watch, result.job_id, watch_value("0-0", time.time()))

@@ -94,6 +94,10 @@ class Keys:
         """The shard of a job enqueued under an idempotency key: the key's own shard."""
         return int(_idempotency_digest(tenant, key)[:8], 16) % self.shards
 
+    def ack(self, job_id: str) -> str:
+        """String, 60 s: the marker written on the job's shard before a WAIT (`worker.protocol.connect`)."""
+        return f"{self.prefix}:ack:{self.shard_tag(self.shard_of(job_id))}"
+
     @property
     def cancel(self) -> str:
         return f"{self.prefix}:cancel"

@@ -72,7 +72,8 @@ class Worker:
         self._intake_thread: threading.Thread | None = None
         self.fingerprint = ""
         self.consumer = Consumer(self.client, self.keys, settings, self.worker_id)
-        self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s)
+        self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s,
+                                   settings.redis_min_replicas, settings.redis_replica_timeout_ms)
         self.publisher_thread = PublisherThread(
             self.publisher, self._on_written, self.stop, settings.redis_backoff_max_s
         )

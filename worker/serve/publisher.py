@@ -23,7 +23,7 @@ from collections.abc import Callable
 import redis
 
 from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
-from worker.protocol.connect import UNAVAILABLE
+from worker.protocol.connect import UNAVAILABLE, wait_replicated
 from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.serve.retry import Stopped, call_with_backoff
 from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
@@ -34,12 +34,15 @@ log = logging.getLogger("ferry.worker.publisher")
 class Publisher:
     """Writes batches of `JobWrite`s; thread-safe (holds no state besides the Redis client)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, result_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, result_ttl_s: int,
+                 min_replicas: int = 0, replica_timeout_ms: int = 1000) -> None:
         self.client = client
+        self.min_replicas = min_replicas  # terminal writes wait for this many replicas (WAIT), 0: not
         self.keys = keys
         self.model = model
         self.worker_id = worker_id
         self.result_ttl_s = int(result_ttl_s)
+        self.replica_timeout_ms = replica_timeout_ms
         self._emit = lua.register(client, lua.EMIT)
         self._hand_back = client.register_script(lua.HAND_BACK)
 
@@ -75,7 +78,18 @@ class Publisher:
                 log.error("redis refused a write", extra={"job_id": job_id, "error": str(result)})
             elif job_id is not None and result in (0, -1):
                 lost[job_id] = Lost.TAKEN if result == 0 else Lost.RECORD_GONE
+        if self.min_replicas:
+            self._wait_replicated([w.job_id for w in writes if isinstance(w, Finish) and w.job_id not in lost])
         return lost
+
+    def _wait_replicated(self, finished: list[str]) -> None:
+        """WAIT on each shard that got a terminal write. Too few replicas is logged, not retried: the
+        write is on the primary, and holding the publisher back would stall every job of this worker."""
+        for job_id in {self.keys.shard_of(j): j for j in finished}.values():
+            acks = wait_replicated(self.client, self.keys.ack(job_id), self.min_replicas, self.replica_timeout_ms)
+            if acks < self.min_replicas:
+                log.warning("terminal write not replicated in time",
+                            extra={"job_id": job_id, "replicas": acks, "required": self.min_replicas})
 
     def _add_emit(self, pipe, w: Progress | Finish | HandBack) -> None:
         keys = [self.keys.events(w.job_id), self.keys.job(w.job_id)]
