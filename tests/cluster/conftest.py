@@ -1,8 +1,8 @@
 """A real Redis Cluster for the cluster tests: 3 primaries + 3 replicas on loopback, once per session.
 
-A test that kills a primary (failover) leaves the cluster one replica short; `cluster` waits
-until it is healthy again before handing it to the next test, and each test works under a key
-prefix of its own.
+A test that kills a primary (failover) leaves the cluster one replica short; `cluster` restarts
+the killed nodes (they rejoin as replicas) and waits until it is healthy before handing it to
+the next test, and each test works under a key prefix of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def local_cluster():
 
 @pytest.fixture
 def cluster(local_cluster):
-    local_cluster.wait_healthy()
+    local_cluster.restart_dead()
     return local_cluster
 
 

@@ -4,7 +4,8 @@
 `cluster-node-timeout`, so a failover takes a second or two, not fifteen), joins them with
 `redis-cli --cluster create --cluster-replicas 1`, and waits until every node reports
 `cluster_state:ok`. `kill_primary_for_slot` kills -9 the primary owning a slot (its replica is
-promoted); `wait_healthy` waits until every slot is served again. `stop` kills every node and
+promoted); `wait_healthy` waits until every slot is served again; `restart_dead` brings the
+killed nodes back as replicas. `stop` kills every node and
 removes their files.
 """
 
@@ -55,15 +56,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
         for port in _free_ports(self.primaries * (1 + self.replicas)):
-            node_dir = self.directory / str(port)
-            node_dir.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.Popen(
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-config-file", "nodes.conf",
-                 "--save", "", "--appendonly", "no", "--dir", str(node_dir)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            self.nodes.append(Node(port, proc))
+            self.nodes.append(Node(port, self._launch(port)))
         for node in self.nodes:
             _wait(lambda n=node: _ping(n.port), timeout, f"redis-server on port {node.port}")
         subprocess.run(
@@ -73,6 +66,24 @@ class LocalCluster:
         )
         self.wait_healthy(timeout)
         return self
+
+    def _launch(self, port: int) -> subprocess.Popen:
+        node_dir = self.directory / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        return subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-config-file", "nodes.conf",
+             "--save", "", "--appendonly", "no", "--dir", str(node_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def restart_dead(self, timeout: float = 30.0) -> None:
+        """Start every killed node again: it rejoins from its nodes.conf, empty, as a replica of the
+        primary that took over its slots, and syncs; then wait until the cluster is healthy."""
+        for node in self.nodes:
+            if not node.alive:
+                node.proc = self._launch(node.port)
+        self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Until every live node says `cluster_state:ok`, every replica is in sync with its primary,
