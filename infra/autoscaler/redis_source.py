@@ -1,6 +1,6 @@
 """Read what the autoscaler decides on from Redis: per-model lag, pending and live workers.
 
-Key names come from `worker/protocol/keys.py`: the model's streams `{prefix}:q:{model}:{priority}` read
+Key names come from `worker/protocol/keys.py`: the model's streams `{prefix}:q:{s<n>}:{model}:{priority}` (every shard) read
 by the consumer group `workers`, and the heartbeats — `{prefix}:workers` (worker id -> time of
 its last heartbeat) and `{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
 """
