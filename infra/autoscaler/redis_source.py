@@ -1,8 +1,9 @@
 """Read what the autoscaler decides on from Redis: per-model lag, pending and live workers.
 
-Key names come from `worker/protocol/keys.py`: the model's streams `{prefix}:q:{s<n>}:{model}:{priority}` (every shard) read
-by the consumer group `workers`, and the heartbeats — `{prefix}:workers` (worker id -> time of
-its last heartbeat) and `{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
+Key names come from `worker/protocol/keys.py`: the model's streams, every shard's
+`{prefix}:q:{s<n>}:{model}:{priority}`, read by the consumer group `workers`, and the
+heartbeats — `{prefix}:workers` (worker id -> time of its last heartbeat) and
+`{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
 """
 
 from __future__ import annotations

@@ -57,6 +57,16 @@ def test_a_job_is_accepted_in_its_shard_and_streams_every_event(capi):
         assert "".join(e["data"]["text"] for e in events if e["event"] == "token") == job["output"]["text"]
 
 
+def test_last_event_id_resumes_mid_run_with_nothing_lost_or_repeated(capi):
+    api, _, _ = capi
+    job_id = submit(api, max_tokens=120, ignore_eos=True)["id"]
+    with api.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+        first = sse_events(r, limit=5)
+    rest = all_events(api, job_id, int(first[-1]["id"]))
+    seqs = [e["data"]["seq"] for e in first + rest]
+    assert seqs == list(range(len(seqs))) and rest[-1]["event"] == "completed"
+
+
 def test_idempotency_key_answers_the_same_job_on_a_cluster(capi):
     api, _, _ = capi
     body = {"input": {"prompt": "idempotent", "max_tokens": 4, "temperature": 0}}

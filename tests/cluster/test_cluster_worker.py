@@ -6,6 +6,8 @@ test, last, kills the primary that holds a shard while jobs stream through it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.cluster.conftest import SHARDS
@@ -13,6 +15,7 @@ from tests.serve.conftest import (
     assert_seq,
     enqueue,
     events,
+    greedy,
     record,
     start_worker,
     streamed_text,
@@ -21,7 +24,7 @@ from tests.serve.conftest import (
     wait_ready,
     wait_terminal,
 )
-from worker.protocol import JobState, Keys, cancel_job
+from worker.protocol import ErrorCode, JobRecord, JobState, Keys, cancel_job, new_job_id
 from worker.protocol.connect import connect
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
@@ -60,6 +63,26 @@ def test_jobs_in_every_shard_run_and_stream_every_event(fleet):
     assert {keys.shard_of(j) for j in ids} == set(range(SHARDS))
     _check_completed(client, keys, ids, 12)
     assert sum(client.xlen(q) for q in keys.queues("tiny")) == 0  # every entry ACKed and deleted
+
+
+def test_a_job_past_its_ttl_times_out_without_running(fleet):
+    client, keys, _ = fleet
+    job_id = enqueue(client, keys, prompt="too late", max_tokens=4, ttl_s=5, created_at=time.time() - 60)
+    (rec,) = wait_terminal(client, keys, [job_id])
+    assert rec.state is JobState.timed_out and rec.error_code == ErrorCode.TTL_EXPIRED and rec.attempts == 0
+
+
+def test_dead_letter_after_max_attempts_in_a_shard(fleet):
+    client, keys, _ = fleet
+    job_id = new_job_id(shard=2)
+    request = greedy(prompt="poison", max_tokens=4)
+    client.hset(keys.job(job_id), mapping=JobRecord.new(job_id, request).to_redis() | {"attempts": "3",
+                                                                                        "state": "running"})
+    client.xadd(keys.queue("tiny", "normal", 2), {"job_id": job_id, "attempt": "1"})
+    (rec,) = wait_terminal(client, keys, [job_id])
+    assert rec.state is JobState.failed and rec.error_code == ErrorCode.MAX_ATTEMPTS_EXCEEDED
+    parked = [fields for _, fields in client.xrange(keys.dlq) if fields["job_id"] == job_id]
+    assert len(parked) == 1 and parked[0]["stream"] == keys.queue("tiny", "normal", 2)
 
 
 def test_cancel_a_running_job_on_a_cluster(fleet):

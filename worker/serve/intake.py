@@ -87,6 +87,7 @@ class Consumer:
         self.model = settings.served_model_name
         self.streams = keys.queues(self.model)  # every shard's, in read order
         self.shard_streams = [keys.shard_queues(self.model, n) for n in range(keys.shards)]
+        self._stream_shard = {stream: n for n, streams in enumerate(self.shard_streams) for stream in streams}
         self._start = lua.register(client, lua.START)
         self._read = client.register_script(lua.READ)
         self._renew = client.register_script(lua.RENEW)
@@ -197,7 +198,7 @@ class Consumer:
             return set(), set()
         by_shard: dict[int, list[tuple[str, Delivery]]] = {}  # one RENEW per shard: a script's keys share a slot
         for job_id, d in held:
-            by_shard.setdefault(self.keys.shard_of(job_id), []).append((job_id, d))
+            by_shard.setdefault(self._stream_shard[d.stream], []).append((job_id, d))
         groups = list(by_shard.values())
 
         def build():
