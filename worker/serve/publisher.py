@@ -86,7 +86,11 @@ class Publisher:
         """WAIT on each shard that got a terminal write. Too few replicas is logged, not retried: the
         write is on the primary, and holding the publisher back would stall every job of this worker."""
         for job_id in {self.keys.shard_of(j): j for j in finished}.values():
-            acks = wait_replicated(self.client, self.keys.ack(job_id), self.min_replicas, self.replica_timeout_ms)
+            try:
+                acks = wait_replicated(self.client, self.keys.ack(job_id), self.min_replicas, self.replica_timeout_ms)
+            except redis.ResponseError as exc:  # MOVED: the slot changed primary since the write (a failover)
+                log.warning("terminal write: no replica count", extra={"job_id": job_id, "error": str(exc)})
+                continue
             if acks < self.min_replicas:
                 log.warning("terminal write not replicated in time",
                             extra={"job_id": job_id, "replicas": acks, "required": self.min_replicas})
