@@ -67,8 +67,11 @@ class PubSubHub:
         followers = self._queues.setdefault(channel, set())
         followers.add(queue)
         try:
-            if len(followers) == 1:
-                await (self._pubsub.ssubscribe if self._sharded else self._pubsub.subscribe)(channel)
+            if len(followers) == 1 and self._sharded:
+                await self._client.initialize()  # the slot map (a no-op once known) says which node to ask
+                await self._pubsub.ssubscribe(channel)
+            elif len(followers) == 1:
+                await self._pubsub.subscribe(channel)
             self._subscribed.set()
             yield queue
         finally:
