@@ -110,8 +110,9 @@ class Consumer:
         out = self._read_by_priority(room)
         if out or block_ms <= 0:
             return out
-        # A blocking read names streams of one slot: block on one shard at a time, in turn, for a
-        # share of the block time, so a job in any shard is seen within about `block_ms`.
+        # A blocking read names streams of one slot: block on one shard at a time, in turn, for
+        # block_ms / N; the next call reads every shard first, so an idle worker takes a job in any
+        # shard within about block_ms / N (at once in the shard it blocks on).
         shard = self._rotate()
         out = self._xreadgroup(dict.fromkeys(self.shard_streams[shard], ">"), count=1,
                                block=max(1, block_ms // len(self.shard_streams)))
