@@ -1,6 +1,6 @@
 """Following a job's events: replay the durable stream, then live pub/sub, once each, in order.
 
-A job's events are numbered by `seq` without gaps and stored in `{p}:job:{id}:events` with
+A job's events are numbered by `seq` without gaps and stored in `{p}:job:{s<n>}:{id}:events` with
 entry id `{seq}-1` (worker/protocol/jobs.py). A follower subscribes first, then replays the stream
 after the last seq it has, then takes live messages, dropping any seq it already has and going
 back to the stream when it sees a gap or the pub/sub connection was lost. So a client that

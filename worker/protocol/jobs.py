@@ -407,7 +407,7 @@ _JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason", "tool
 
 
 class JobRecord(BaseModel):
-    """The job hash `{p}:job:{id}`: one field per attribute, strings in Redis.
+    """The job hash `{p}:job:{s<n>}:{id}`: one field per attribute, strings in Redis.
 
     `request`, `token_ids`, `usage`, `timings` and `stop_reason` are stored as JSON; numbers as
     decimal strings; `cancel` as "1"; absent fields are simply not in the hash.

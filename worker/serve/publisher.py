@@ -2,11 +2,11 @@
 
 After each engine step the engine thread hands over the step's writes (`worker.serve.writes`);
 the publisher thread sends all pending writes in a single pipeline, one script call per job
-(`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{id}:events` (entry id
-`{seq}-1`), publishes each on `{p}:job:{id}`, and, when the job ends, writes the result into the
-job hash, sets the expiries and only then XACKs and XDELs the queue entry. Scripts make each
-job's write atomic: either all of it lands or none, so a re-delivered job never sees events
-without the state that goes with them.
+(`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{s<n>}:{id}:events` (entry id
+`{seq}-1`), publishes each on `{p}:job:{s<n>}:{id}` (SPUBLISH on a cluster), and, when the job
+ends, writes the result into the job hash, sets the expiries and only then XACKs and XDELs the
+queue entry. Scripts make each job's write atomic: either all of it lands or none, so a
+re-delivered job never sees events without the state that goes with them.
 
 Seq fencing: Redis refuses an event whose seq already exists. A worker that finds another
 worker's event at its next seq has lost the job (it was reclaimed during a stall) and stops
