@@ -8,6 +8,7 @@ import time
 
 import pytest
 import redis
+from pydantic import ValidationError
 
 from tests.cluster.conftest import SHARDS
 from tests.serve.conftest import wait_for
@@ -66,3 +67,8 @@ def test_the_relay_hands_off_watched_jobs_of_every_shard_once(cluster, cclient, 
         for key in broker.scan_iter(f"{ckeys.prefix}:*"):
             broker.delete(key)
         broker.close()
+
+
+def test_the_webhook_worker_refuses_a_cluster_as_celerys_broker():
+    with pytest.raises(ValidationError, match="FERRY_CELERY_BROKER_URL"):
+        WebhookSettings(redis_url="redis://127.0.0.1:7000", redis_cluster=True)

@@ -51,7 +51,8 @@ class RedisTopology(BaseSettings):
     # a model over up to N primaries. Every process must use the same number.
     queue_shards: int = Field(1, ge=1, le=MAX_SHARDS)
     # An enqueue (the API's 202) and a job's terminal write wait until this many replicas have it
-    # (WAIT); 0 = do not wait. Fewer in time is a 503 + Retry-After, never a silent success.
+    # (WAIT); 0 = do not wait. Fewer in time: the API answers 503 + Retry-After, never a silent
+    # 202; a worker logs it (its write is on the primary).
     redis_min_replicas: int = Field(0, ge=0)
     redis_replica_timeout_ms: int = Field(1000, ge=1)  # the WAIT's timeout
 
