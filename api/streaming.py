@@ -45,6 +45,9 @@ class PubSubHub:
         self._pubsub = client.pubsub()
         self._queues: dict[str, set[asyncio.Queue]] = {}
         self._subscribed = asyncio.Event()
+        # One (un)subscribe at a time: redis-py's pub/sub opens its connection lazily, and concurrent
+        # first subscribes would each open one, leaving all but the last unread (their messages lost).
+        self._subscribing = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -67,11 +70,13 @@ class PubSubHub:
         followers = self._queues.setdefault(channel, set())
         followers.add(queue)
         try:
-            if len(followers) == 1 and self._sharded:
-                await self._client.initialize()  # the slot map (a no-op once known) says which node to ask
-                await self._pubsub.ssubscribe(channel)
-            elif len(followers) == 1:
-                await self._pubsub.subscribe(channel)
+            if len(followers) == 1:
+                async with self._subscribing:
+                    if self._sharded:
+                        await self._client.initialize()  # the slot map (a no-op once known) names the node
+                        await self._pubsub.ssubscribe(channel)
+                    else:
+                        await self._pubsub.subscribe(channel)
             self._subscribed.set()
             yield queue
         finally:
@@ -80,7 +85,8 @@ class PubSubHub:
                 del self._queues[channel]
                 # Shielded: a follower is often closed by a cancelled request (client gone).
                 with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                    await (self._pubsub.sunsubscribe if self._sharded else self._pubsub.unsubscribe)(channel)
+                    async with self._subscribing:
+                        await (self._pubsub.sunsubscribe if self._sharded else self._pubsub.unsubscribe)(channel)
 
     async def _read(self) -> None:
         while True:
