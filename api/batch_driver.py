@@ -52,7 +52,7 @@ from api.files import Upload, get_record, store_upload
 from api.joblist import index_job
 from api.ratelimit import RateLimited, admit, estimate_tokens
 from api.services import Services, cancel_job
-from worker.protocol import JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id
+from worker.protocol import JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id_for
 from worker.protocol.objectstore import ObjectStore
 
 log = logging.getLogger("ferry.api.batches")
@@ -271,10 +271,11 @@ class BatchDriver:
                 failed.append(unanswered_line(parsed.custom_id, exc.code, exc.message))
                 continue
             reader.cursor = number
-            job_id = new_job_id(parsed.job.created_at)
+            line_key = f"batch:{batch_id}:{number}"
+            job_id = new_job_id_for(self.keys, parsed.job, line_key)
             await index_job(self.redis, self.keys, self.settings, parsed.job.tenant, job_id)
             result = await enqueue_job_async(
-                self.redis, self.keys, parsed.job, job_id=job_id, idempotency_key=f"batch:{batch_id}:{number}",
+                self.redis, self.keys, parsed.job, job_id=job_id, idempotency_key=line_key,
                 idempotency_ttl_s=int(ttl_s) + 86400, batch_line=(batch_id, parsed.custom_id),
                 reservation=(admission.budget, tokens) if admission.budget else None)
             added[number] = [result.job_id, parsed.custom_id, raw["endpoint"] == "/v1/chat/completions"]

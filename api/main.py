@@ -10,7 +10,6 @@ import argparse
 import logging
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aredis
 from fastapi import FastAPI
 
 from api.auth import KeyRing
@@ -22,6 +21,7 @@ from api.services import ApiMetrics, Services
 from api.settings import ApiSettings
 from api.streaming import PubSubHub
 from worker.protocol import Keys
+from worker.protocol.connect import ReplicationWaiter, connect_async
 from worker.protocol.objectstore import open_store
 
 log = logging.getLogger("ferry.api")
@@ -64,22 +64,23 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         # A blocking pool: under a burst, requests queue for a connection instead of failing.
         # Socket timeouts: with Redis paused or gone, a request fails (503 + Retry-After) within
         # about a second instead of hanging for the whole outage.
-        pool = aredis.BlockingConnectionPool.from_url(
-            settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
-            timeout=settings.redis_pool_timeout_s, socket_connect_timeout=settings.redis_socket_timeout_s,
-            socket_timeout=settings.redis_socket_timeout_s,
+        client = connect_async(
+            settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
+            max_connections=settings.redis_max_connections, pool_timeout_s=settings.redis_pool_timeout_s,
+            socket_connect_timeout=settings.redis_socket_timeout_s, socket_timeout=settings.redis_socket_timeout_s,
         )
-        client = aredis.Redis.from_pool(pool)
         hub = PubSubHub(client)
         hub.start()
         app.state.services = Services(
             settings=settings,
             redis=client,
-            keys=Keys(settings.key_prefix),
+            keys=Keys(settings.key_prefix, settings.queue_shards),
             hub=hub,
             keyring=keyring,
             metrics=ApiMetrics(lambda: hub.num_followers, keyring.tenant_names(), settings.usage_metrics_tenants),
             configured_models=configured,
+            replication=ReplicationWaiter(client, settings.redis_min_replicas, settings.redis_replica_timeout_ms)
+            if settings.redis_min_replicas else None,
         )
         app.state.files_store = open_store(settings.files_url)
         driver = BatchDriver(app.state.services, app.state.files_store)
@@ -90,6 +91,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         finally:
             await driver.close()
             await hub.close()
+            if app.state.services.replication is not None:
+                await app.state.services.replication.aclose()
             await client.aclose()
 
     app = FastAPI(

@@ -35,9 +35,10 @@ from worker.protocol import (
     cancel_job_async,
     enqueue_job_async,
     job_id_created_at,
-    new_job_id,
+    new_job_id_for,
 )
 from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
+from worker.protocol.connect import ReplicationWaiter
 from worker.protocol.keys import watch_value
 from worker.protocol.usage import account_job_async
 
@@ -74,6 +75,7 @@ class Services:
     models_remembered: frozenset[str] = frozenset()  # seen live (or with limits) by this process: routable
     limits_seen: dict[str, tuple[float, ModelLimits | None]] = field(default_factory=dict)
     redis_started: tuple[float, float] = (float("-inf"), 0.0)  # (monotonic read time, unix start time)
+    replication: ReplicationWaiter | None = None  # FERRY_REDIS_MIN_REPLICAS > 0: a 202 waits for the replicas
 
 
 async def services(request: Request) -> Services:
@@ -194,6 +196,8 @@ async def _lost_in_restart(svc: Services, job_id: str) -> bool:
     """Whether the id names a job accepted before Redis last started, recently enough that its
     record would still be there (the id carries its creation time: `new_job_id`)."""
     created = job_id_created_at(job_id)
+    if svc.settings.redis_cluster:
+        return False  # a cluster's failover promotes a replica holding the data; no one server's start says more
     if created is None or time.time() - created > svc.settings.result_ttl_s + svc.settings.job_ttl_s:
         return False
     # Redis reports its uptime in whole seconds: a job within a second of the start is not claimed lost.
@@ -217,6 +221,18 @@ async def cancel_job(svc: Services, job_id: str) -> JobState | None:
     if state == JobState.cancelled:
         await account_job_async(svc.redis, svc.keys, job_id, svc.settings.result_ttl_s)
     return state
+
+
+async def _check_replicated(svc: Services, job_id: str) -> None:
+    """A 202 only for a job at least `redis_min_replicas` replicas hold: a failover of its primary
+    cannot lose it. Fewer within the timeout is a 503 (the job may still run: retrying with the same
+    Idempotency-Key answers the same job)."""
+    waiter = svc.replication
+    acks = await waiter.wait(svc.keys.ack(job_id))
+    if acks < waiter.replicas:
+        raise ApiError(503, "not_replicated", f"the job reached {acks} of the {waiter.replicas} replicas required "
+                       f"within {waiter.timeout_ms} ms; retry (with an Idempotency-Key, retries name the same job)",
+                       headers={"Retry-After": "1"})
 
 
 def _same_request(a: JobRequest, b: JobRequest) -> bool:
@@ -274,7 +290,7 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
     await _check_queue(svc, request.model)
     if admission is not None:
         reservation = await admission()
-    job_id = new_job_id(request.created_at)
+    job_id = new_job_id_for(svc.keys, request, idempotency_key)
     await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
     result = await enqueue_job_async(
         svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
@@ -282,6 +298,8 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
     )
     if not result.created:  # lost a race with the same key
         return await _replay(svc, request, result.job_id)
+    if svc.replication is not None:
+        await _check_replicated(svc, result.job_id)
     if request.webhook is not None:
         # After the enqueue: the relay drops watch entries whose job hash it cannot find.
         await svc.redis.hset(svc.keys.webhook_watch, result.job_id, watch_value("0-0", time.time()))

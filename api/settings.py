@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from worker.protocol.connect import RedisTopology
 
 
-class ApiSettings(BaseSettings):
+class ApiSettings(RedisTopology):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -1,13 +1,15 @@
 """Following a job's events: replay the durable stream, then live pub/sub, once each, in order.
 
-A job's events are numbered by `seq` without gaps and stored in `{p}:job:{id}:events` with
+A job's events are numbered by `seq` without gaps and stored in `{p}:job:{s<n>}:{id}:events` with
 entry id `{seq}-1` (worker/protocol/jobs.py). A follower subscribes first, then replays the stream
 after the last seq it has, then takes live messages, dropping any seq it already has and going
 back to the stream when it sees a gap or the pub/sub connection was lost. So a client that
 connects before, during or after the run, or resumes with `Last-Event-ID`, sees every event
 exactly once.
 
-One pub/sub connection per API process serves every follower (`PubSubHub`).
+One pub/sub connection per API process serves every follower (`PubSubHub`). On a Redis Cluster
+the job channels are shard channels (SSUBSCRIBE: the workers SPUBLISH), one connection per node
+that owns a followed channel's slot.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
 from worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields, seq_of_stream_id
+from worker.protocol.connect import is_cluster
 
 log = logging.getLogger("ferry.api")
 
 RESYNC = object()  # put on every follower's queue when live messages may have been missed
+# A cluster's pub/sub polls its node connections in turn, each for up to the timeout: short, so one
+# idle node never holds back another's messages.
+_SHARDED_POLL_S = 0.002
 _REPLAY_PAGE = 1000
 
 
@@ -35,9 +41,13 @@ class PubSubHub:
 
     def __init__(self, client: aredis.Redis):
         self._client = client
+        self._sharded = is_cluster(client)
         self._pubsub = client.pubsub()
         self._queues: dict[str, set[asyncio.Queue]] = {}
         self._subscribed = asyncio.Event()
+        # One (un)subscribe at a time: redis-py's pub/sub opens its connection lazily, and concurrent
+        # first subscribes would each open one, leaving all but the last unread (their messages lost).
+        self._subscribing = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -61,7 +71,12 @@ class PubSubHub:
         followers.add(queue)
         try:
             if len(followers) == 1:
-                await self._pubsub.subscribe(channel)
+                async with self._subscribing:
+                    if self._sharded:
+                        await self._client.initialize()  # the slot map (a no-op once known) names the node
+                        await self._pubsub.ssubscribe(channel)
+                    else:
+                        await self._pubsub.subscribe(channel)
             self._subscribed.set()
             yield queue
         finally:
@@ -70,7 +85,8 @@ class PubSubHub:
                 del self._queues[channel]
                 # Shielded: a follower is often closed by a cancelled request (client gone).
                 with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.unsubscribe(channel)
+                    async with self._subscribing:
+                        await (self._pubsub.sunsubscribe if self._sharded else self._pubsub.unsubscribe)(channel)
 
     async def _read(self) -> None:
         while True:
@@ -79,7 +95,13 @@ class PubSubHub:
                 await self._subscribed.wait()
                 continue
             try:
-                message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if self._sharded:
+                    message = await self._pubsub.get_sharded_message(ignore_subscribe_messages=True,
+                                                                     timeout=_SHARDED_POLL_S)
+                    if message is None and not self._pubsub.node_pubsub_mapping:
+                        await asyncio.sleep(_SHARDED_POLL_S)  # between a subscribe and its connection
+                else:
+                    message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             except (RedisError, OSError) as exc:
                 # redis-py reconnects and re-subscribes on the next call; what was published in
                 # between is lost, so every follower re-reads its stream.
@@ -89,7 +111,7 @@ class PubSubHub:
                         queue.put_nowait(RESYNC)
                 await asyncio.sleep(0.5)
                 continue
-            if message is not None and message["type"] == "message":
+            if message is not None and message["type"] in ("message", "smessage"):
                 for queue in self._queues.get(message["channel"], ()):
                     queue.put_nowait(message["data"])
 

@@ -70,14 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_loop(settings: AutoscalerSettings, *, dry_run: bool, record: str | None):
-    import redis
-
     from infra.autoscaler.loop import AutoscaleLoop
     from infra.autoscaler.publish import AsgActuator, CloudWatchPublisher, EcsActuator, PrometheusGauges
     from infra.autoscaler.redis_source import RedisBacklog
+    from worker.protocol.connect import connect
 
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=2.0,
-                                  socket_timeout=5.0)
+    client = connect(settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
+                     socket_connect_timeout=2.0, socket_timeout=5.0)
     publishers: list = [PrometheusGauges()]
     actuators: list = []
     if not dry_run:
@@ -89,7 +88,7 @@ def _build_loop(settings: AutoscalerSettings, *, dry_run: bool, record: str | No
         if services := parse_pairs(settings.autoscale_ecs_services):
             actuators.append(EcsActuator(aws("ecs"), services))
     return AutoscaleLoop(
-        source=RedisBacklog(client, settings.key_prefix),
+        source=RedisBacklog(client, settings.key_prefix, settings.queue_shards),
         policy=settings.policy(),
         models=settings.models(),
         publishers=publishers,

@@ -1,8 +1,9 @@
 """Read what the autoscaler decides on from Redis: per-model lag, pending and live workers.
 
-Key names come from `worker/protocol/keys.py`: the model's streams `{prefix}:q:{model}:{priority}` read
-by the consumer group `workers`, and the heartbeats — `{prefix}:workers` (worker id -> time of
-its last heartbeat) and `{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
+Key names come from `worker/protocol/keys.py`: the model's streams, every shard's
+`{prefix}:q:{s<n>}:{model}:{priority}`, read by the consumer group `workers`, and the
+heartbeats — `{prefix}:workers` (worker id -> time of its last heartbeat) and
+`{prefix}:worker:{id}` (a hash with the served `model`, with a TTL).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ HEARTBEAT_HORIZON_S = 600  # workers not seen for this long are not even looked 
 class RedisBacklog:
     """Observations for each model from one Redis connection (`decode_responses=True`)."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str, shards: int = 1) -> None:
         self.client = client
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, shards)
 
     def observe(self, models: list[str], t: float) -> dict[str, Observation]:
         live = self.live_workers()

@@ -7,12 +7,13 @@ the autoscaler alone needs is spelled `FERRY_AUTOSCALE_*`.
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from infra.autoscaler.policy import ScalePolicy
+from worker.protocol.connect import RedisTopology
 
 
-class AutoscalerSettings(BaseSettings):
+class AutoscalerSettings(RedisTopology):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"

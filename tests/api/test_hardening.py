@@ -297,3 +297,16 @@ def test_a_public_ipv6_address_is_still_allowed_at_submission(private):
     with app_on(private, models="tiny", webhook_allow_private=False) as api:
         r = api.post("/v1/jobs", json={"input": {"prompt": "x"}, "webhook": {"url": "http://[2606:4700:4700::1111]/"}})
         assert r.status_code == 202, r.text
+
+
+# --- acknowledged means replicated -------------------------------------------------------------
+
+
+def test_a_job_no_replica_confirms_is_a_503_never_a_silent_202(private):
+    body = {"input": {"prompt": "hi", "max_tokens": 2}}
+    with app_on(private, models="tiny", redis_min_replicas=1, redis_replica_timeout_ms=200) as api:
+        r = api.post("/v1/jobs", json=body)
+        error(r, 503, "not_replicated")
+        assert r.headers["Retry-After"]
+    with app_on(private, models="tiny") as api:  # 0, the default: no WAIT
+        assert api.post("/v1/jobs", json=body).status_code == 202

@@ -10,6 +10,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio
+from redis.crc import key_slot
 
 from worker.protocol import (
     CompletedEvent,
@@ -35,6 +36,8 @@ from worker.protocol import (
     event_from_fields,
     event_stream_id,
     event_to_fields,
+    job_id_created_at,
+    new_job_id,
     seq_of_stream_id,
 )
 
@@ -65,8 +68,9 @@ def test_protocol_and_keys_import_no_torch():
 
 def test_key_names():
     k = Keys("ferry")
-    assert k.queues("m") == ["ferry:q:m:high", "ferry:q:m:normal", "ferry:q:m:low"]
-    assert (k.job("j"), k.events("j"), k.channel("j")) == ("ferry:job:j", "ferry:job:j:events", "ferry:job:j")
+    assert k.queues("m") == ["ferry:q:{s0}:m:high", "ferry:q:{s0}:m:normal", "ferry:q:{s0}:m:low"]
+    assert (k.job("j"), k.events("j"), k.channel("j")) == (
+        "ferry:job:{s0}:j", "ferry:job:{s0}:j:events", "ferry:job:{s0}:j")
     assert (k.cancel, k.dlq, k.worker("w"), k.model_limits("m")) == (
         "ferry:cancel",
         "ferry:dlq",
@@ -82,6 +86,32 @@ def test_idempotency_names_are_one_per_tenant_and_key_whatever_they_hold():
     assert k.idempotency("t", "x") == k.idempotency("t", "x") and k.idempotency("t", "x").startswith("ferry:idem:")
     pairs = [("acme", "x:K"), ("acme:x", "K"), ("acme", "xK"), ("acmex", "K"), ("", "acme:x:K"), ("acme:x:K", "")]
     assert len({k.idempotency(t, key) for t, key in pairs}) == len(pairs)
+
+
+def test_every_key_of_a_job_shares_its_shards_slot_with_the_shards_queues():
+    k = Keys("ferry", shards=3)
+    for shard in range(3):
+        job_id = new_job_id(shard=shard)
+        assert Keys.shard_of(job_id) == shard and job_id_created_at(job_id) is not None
+        slots = {key_slot(name.encode()) for name in
+                 [k.job(job_id), k.events(job_id), k.channel(job_id), *k.shard_queues("m", shard)]}
+        assert slots == {k.shard_slot(shard)}
+    assert Keys.shard_of("an-id-without-a-shard") == 0
+
+
+def test_shards_spread_over_an_evenly_split_cluster_one_per_primary():
+    for shards in (2, 3, 6, 16):
+        k = Keys("ferry", shards=shards)
+        owners = [k.shard_slot(n) * shards // 16384 for n in range(shards)]
+        assert owners == list(range(shards))
+
+
+def test_an_idempotency_key_is_in_the_shard_of_the_job_it_names():
+    k = Keys("ferry", shards=4)
+    shards = {k.idempotency_shard("t", f"key-{i}") for i in range(64)}
+    assert shards == {0, 1, 2, 3}
+    for i in range(16):
+        assert key_slot(k.idempotency("t", f"key-{i}").encode()) == k.shard_slot(k.idempotency_shard("t", f"key-{i}"))
 
 
 def test_events_round_trip_through_json_and_stream_fields():

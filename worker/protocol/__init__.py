@@ -59,6 +59,7 @@ from worker.protocol.queue import (
     enqueue_job,
     enqueue_job_async,
     enqueue_jobs,
+    new_job_id_for,
 )
 from worker.protocol.structured import StructuredOutputsRequest
 
@@ -109,5 +110,6 @@ __all__ = [
     "UnreadableRecord",
     "job_id_created_at",
     "new_job_id",
+    "new_job_id_for",
     "seq_of_stream_id",
 ]

@@ -1,10 +1,10 @@
 """A job's events: what a client streams, in order, numbered by `seq` without gaps.
 
 `started` (seq 0), then `token`s, then exactly one terminal event (`completed`, `failed`,
-`cancelled` or `timed_out`). Each is appended to the job's event stream `{p}:job:{id}:events`
+`cancelled` or `timed_out`). Each is appended to the job's event stream `{p}:job:{s<n>}:{id}:events`
 with entry id `{seq}-1` (so Redis itself refuses a duplicate seq, and SSE `Last-Event-ID: n`
 resumes with `XRANGE events (n-1 +`) and published, as the same JSON, on the pub/sub channel
-`{p}:job:{id}`. Stream entry fields: `seq`, `type`, `data` (the event's JSON).
+`{p}:job:{s<n>}:{id}`. Stream entry fields: `seq`, `type`, `data` (the event's JSON).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ _EVENT_ADAPTER: TypeAdapter = TypeAdapter(Event)
 
 
 def encode_event(event: BaseModel) -> str:
-    """The event's JSON: what is published on `{p}:job:{id}` and stored as the stream's `data`."""
+    """The event's JSON: what is published on `{p}:job:{s<n>}:{id}` and stored as the stream's `data`."""
     return event.model_dump_json()
 
 

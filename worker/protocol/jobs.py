@@ -407,7 +407,7 @@ _JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason", "tool
 
 
 class JobRecord(BaseModel):
-    """The job hash `{p}:job:{id}`: one field per attribute, strings in Redis.
+    """The job hash `{p}:job:{s<n>}:{id}`: one field per attribute, strings in Redis.
 
     `request`, `token_ids`, `usage`, `timings` and `stop_reason` are stored as JSON; numbers as
     decimal strings; `cancel` as "1"; absent fields are simply not in the hash.
@@ -491,19 +491,21 @@ class JobRecord(BaseModel):
             raise UnreadableRecord(f"job record {data.get('id', '?')!r} is incomplete or malformed: {exc}") from exc
 
 
-def new_job_id(created_at: float | None = None) -> str:
-    """32 hex digits: the creation time in milliseconds (12), then 20 random. Ids sort by
+def new_job_id(created_at: float | None = None, shard: int = 0) -> str:
+    """32 hex digits, then `-s<shard>`: the creation time in milliseconds (12), 20 random, and the
+    queue shard whose hash slot holds the job's keys (`Keys.shard_of`). Ids of one shard sort by
     creation, and an id says when its job was accepted even after the job's record is gone."""
     millis = int((time.time() if created_at is None else created_at) * 1000)
-    return f"{millis & 0xFFFF_FFFF_FFFF:012x}{uuid.uuid4().hex[:20]}"
+    return f"{millis & 0xFFFF_FFFF_FFFF:012x}{uuid.uuid4().hex[:20]}-s{shard}"
 
 
 def job_id_created_at(job_id: str) -> float | None:
     """The creation time `new_job_id` put into an id (unix seconds); None for ids of another shape."""
-    if len(job_id) != 32:
+    stamp, _, _ = job_id.partition("-")
+    if len(stamp) != 32:
         return None
     try:
-        return int(job_id[:12], 16) / 1000
+        return int(stamp[:12], 16) / 1000
     except ValueError:
         return None
 

@@ -1,54 +1,102 @@
 """Every Redis key and channel name Ferry uses, under one configurable prefix (default `ferry`).
 
-docs/architecture.md tables them with their types, writers and uses. In short: per model, one
-queue stream per priority (`{p}:q:{model}:{priority}`); per job, a hash (`{p}:job:{id}`), an
-event stream (`{p}:job:{id}:events`) and a pub/sub channel (`{p}:job:{id}`: channels and keys
-are separate namespaces, so the hash and the channel share a name on purpose); idempotency keys;
-the cancel channel; the dead-letter stream; worker heartbeats; the webhook relay's bookkeeping;
-Celery's broker keys under `{p}:celery:`.
+docs/architecture.md tables them with their types, writers and uses. In short: per model and
+queue shard, one queue stream per priority (`{p}:q:{s<n>}:{model}:{priority}`); per job, a hash
+(`{p}:job:{s<n>}:{id}`), an event stream (`{p}:job:{s<n>}:{id}:events`) and a pub/sub channel
+(the hash's name: channels and keys are separate namespaces, so they share it on purpose);
+idempotency keys; the cancel channel; the dead-letter stream; worker heartbeats; the webhook
+relay's bookkeeping; Celery's broker keys under `{p}:celery:`.
+
+Shards (Redis Cluster): `{s<n>}` is a hash tag, so a shard's queue streams and the keys of every
+job in it share one hash slot, and each script of the queue (enqueue, start, emit, hand back,
+cancel) touches one slot. A job id ends with `-s<n>` (`new_job_id`), so every key of a job
+follows from its id alone; an id without that ending is in shard 0. An idempotency key's shard
+comes from its (tenant, key) digest, and a job enqueued under it is put in that shard.
+
+Spread: of N shards, shard n's tag is the first of `s<n>`, `s<n>.1`, `s<n>.2`, ... whose slot lies
+in the n-th N-th of the slot space. A cluster created with its slots split evenly (what
+`redis-cli --cluster create` and ElastiCache do) then holds N shards for N primaries one per
+primary, where plain `{s0}`, `{s1}`, `{s2}` hash to slots 11097, 15224 and 2843 (two on one
+primary of three). With one shard the tag is `{s0}`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 PRIORITIES = ("high", "normal", "low")  # read order: a worker drains `high` before `normal` before `low`
 GROUP = "workers"  # the consumer group every worker of a model joins on its queue streams
+MAX_SHARDS = 256  # queue shards per model: more than a cluster has primaries, with room to grow
+_SHARD_SUFFIX = re.compile(r"-s(\d{1,4})$")  # how a job id names its shard (`new_job_id`)
 
 
 class Keys:
-    """Key and channel names under `prefix` (no trailing colon)."""
+    """Key and channel names under `prefix` (no trailing colon), with `shards` queue shards per model."""
 
-    def __init__(self, prefix: str = "ferry") -> None:
+    def __init__(self, prefix: str = "ferry", shards: int = 1) -> None:
+        if not 1 <= shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be between 1 and {MAX_SHARDS}, got {shards}")
         self.prefix = prefix.rstrip(":")
         self.group = GROUP
+        self.shards = shards
+        self._tags = _shard_tags(shards)
 
-    def queue(self, model: str, priority: str) -> str:
+    @staticmethod
+    def shard_of(job_id: str) -> int:
+        """The queue shard a job id names (`-s<n>` at its end; 0 for an id without it)."""
+        match = _SHARD_SUFFIX.search(job_id)
+        return int(match.group(1)) if match else 0
+
+    def shard_tag(self, shard: int) -> str:
+        """The hash tag of a shard's keys, braces included (`{s<n>}` or `{s<n>.<k>}`: the module's
+        docstring says why). A shard beyond `shards` (a job id from a process configured with more)
+        gets `{s<n>}`: its keys still share one slot."""
+        return self._tags[shard] if shard < self.shards else f"{{s{shard}}}"
+
+    def shard_slot(self, shard: int) -> int:
+        """The hash slot of a shard's keys."""
+        return key_slot(self.shard_tag(shard).encode())
+
+    def queue(self, model: str, priority: str, shard: int = 0) -> str:
         if priority not in PRIORITIES:
             raise ValueError(f"unknown priority {priority!r}: must be one of {PRIORITIES}")
-        return f"{self.prefix}:q:{model}:{priority}"
+        return f"{self.prefix}:q:{self.shard_tag(shard)}:{model}:{priority}"
+
+    def shard_queues(self, model: str, shard: int) -> list[str]:
+        """One shard's queue streams in read order, high first (one hash slot)."""
+        return [self.queue(model, p, shard) for p in PRIORITIES]
 
     def queues(self, model: str) -> list[str]:
-        """The model's queue streams in read order, high first."""
-        return [self.queue(model, p) for p in PRIORITIES]
+        """All the model's queue streams in read order: every shard's high, then normal, then low."""
+        return [self.queue(model, p, n) for p in PRIORITIES for n in range(self.shards)]
 
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}"
+        return f"{self.prefix}:job:{self.shard_tag(self.shard_of(job_id))}:{job_id}"
 
     def events(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}:events"
+        return f"{self.job(job_id)}:events"
 
     def channel(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}"
+        return self.job(job_id)
 
     def idempotency(self, tenant: str, key: str) -> str:
         """One name per (tenant, key) pair: both are hashed with their lengths, so no two pairs
-        share a name whatever characters they hold (`acme` + `x:K` is not `acme:x` + `K`)."""
-        digest = hashlib.sha256()
-        for part in (tenant, key):
-            raw = part.encode()
-            digest.update(len(raw).to_bytes(8, "little") + raw)
-        return f"{self.prefix}:idem:{digest.hexdigest()}"
+        share a name whatever characters they hold (`acme` + `x:K` is not `acme:x` + `K`). It
+        lives in shard `idempotency_shard(tenant, key)`, with the job it names."""
+        tag = self.shard_tag(self.idempotency_shard(tenant, key))
+        return f"{self.prefix}:idem:{tag}:{_idempotency_digest(tenant, key)}"
+
+    def idempotency_shard(self, tenant: str, key: str) -> int:
+        """The shard of a job enqueued under an idempotency key: the key's own shard."""
+        return int(_idempotency_digest(tenant, key)[:8], 16) % self.shards
+
+    def ack(self, job_id: str) -> str:
+        """String, 60 s: the marker written on the job's shard before a WAIT (`worker.protocol.connect`)."""
+        return f"{self.prefix}:ack:{self.shard_tag(self.shard_of(job_id))}"
 
     @property
     def cancel(self) -> str:
@@ -164,6 +212,26 @@ class Keys:
         """String, EX: set when a job's usage was counted, so counting twice (a retried write, the
         API and a worker both seeing the end) adds nothing."""
         return f"{self.prefix}:usage:{{{tenant_tag(tenant)}}}:counted:{job_id}"
+
+
+@lru_cache(maxsize=8)
+def _shard_tags(shards: int) -> tuple[str, ...]:
+    tags = []
+    for n in range(shards):
+        low, high = n * REDIS_CLUSTER_HASH_SLOTS // shards, (n + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+        k = 0
+        while not low <= key_slot((tag := f"s{n}.{k}" if k else f"s{n}").encode()) < high:
+            k += 1
+        tags.append(f"{{{tag}}}")
+    return tuple(tags)
+
+
+def _idempotency_digest(tenant: str, key: str) -> str:
+    digest = hashlib.sha256()
+    for part in (tenant, key):
+        raw = part.encode()
+        digest.update(len(raw).to_bytes(8, "little") + raw)
+    return digest.hexdigest()
 
 
 def tenant_tag(name: str) -> str:

@@ -17,6 +17,13 @@ from collections.abc import Callable
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from worker.protocol.connect import is_cluster
+
+# The command a script publishes a job's events with: `JOB_PUBLISH` stands for PUBLISH on a
+# single node, SPUBLISH on a cluster (`register`), where a job's channel then lives on its shard
+# alone (it shares the job hash's name, so the script's slot) instead of reaching every node.
+_JOB_PUBLISH = "JOB_PUBLISH"
+
 # Reads the space-separated terminal states in ARGV[1] into a set: `terminal[state]` is true.
 _TERMINAL = """
 local terminal = {}
@@ -56,7 +63,7 @@ if state == 'queued' then
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_at', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
-  redis.call('PUBLISH', ARGV[6], data)
+  redis.call('JOB_PUBLISH', ARGV[6], data)
   state = ARGV[2]
 end
 redis.call('PUBLISH', ARGV[5], ARGV[7])
@@ -76,7 +83,7 @@ redis.call('HSETNX', KEYS[1], 'started_at', ARGV[4])
 if redis.call('XLEN', KEYS[2]) == 0 then
   local data = '{"seq":0' .. ARGV[6]
   redis.call('XADD', KEYS[2], '0-1', 'seq', '0', 'type', 'started', 'data', data)
-  redis.call('PUBLISH', ARGV[5], data)
+  redis.call('JOB_PUBLISH', ARGV[5], data)
 end
 return attempts
 """
@@ -146,7 +153,7 @@ for _ = 1, n do
     local have = redis.call('XRANGE', KEYS[1], seq .. '-1', seq .. '-1')
     if #have == 0 or have[1][2][6] ~= data then return 0 end
   else
-    redis.call('PUBLISH', KEYS[2], data)
+    redis.call('JOB_PUBLISH', KEYS[2], data)
   end
   i = i + 3
 end
@@ -290,9 +297,15 @@ return 1
 """
 
 
+def register(client, source: str) -> Script:
+    """`client.register_script(source)`, its job-channel publishes made SPUBLISH on a cluster client."""
+    return client.register_script(source.replace(_JOB_PUBLISH, "SPUBLISH" if is_cluster(client) else "PUBLISH"))
+
+
 def add(pipe, script: Script, keys: list[str], args: list) -> None:
-    """Queue `script` on `pipe` as a bare EVALSHA."""
-    pipe.evalsha(script.sha, len(keys), *keys, *args)
+    """Queue `script` on `pipe` as a bare EVALSHA (spelled as a command: a cluster pipeline refuses
+    its `evalsha` method, yet routes the command by its keys)."""
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 def execute(build: Callable[[], object], scripts: list[Script]) -> list:

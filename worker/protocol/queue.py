@@ -1,9 +1,11 @@
 """The atomic writes a client of the queue makes: enqueue a job (one or many), request a cancel.
 
 Each is one Lua script (`worker.protocol.lua`), so atomic and one round trip:
-- `enqueue_job`: with an idempotency key, `GET {p}:idem:{tenant}:{key}`; if set, return that job
-  id and write nothing, else `SET ... job_id EX idempotency_ttl_s`; then `HSET {p}:job:{id}` the
-  fields of `JobRecord.new(...)` and `XADD {p}:q:{model}:{priority}` the `Envelope`. The XLEN of
+- `enqueue_job`: with an idempotency key, `GET {p}:idem:{s<n>}:{digest}`; if set, return that job
+  id and write nothing, else `SET ... job_id EX idempotency_ttl_s`; then `HSET {p}:job:{s<n>}:{id}`
+  the fields of `JobRecord.new(...)` and `XADD {p}:q:{s<n>}:{model}:{priority}` the `Envelope`.
+  Every key is in the job's shard (one hash slot): the idempotency key's shard when there is one,
+  else a shard drawn at random, so the shards of a model fill evenly. The XLEN of
   a queue stream is the number of jobs waiting or in flight (workers XACK and XDEL an entry once
   the job is terminal), which is what the API compares with its queue limit.
 - `cancel_job`: set `cancel` on the hash; a job still queued is finished right there (state
@@ -14,6 +16,7 @@ Each is one Lua script (`worker.protocol.lua`), so atomic and one round trip:
 
 from __future__ import annotations
 
+import random
 import time
 
 from pydantic import BaseModel
@@ -30,13 +33,26 @@ class EnqueueResult(BaseModel):
     created: bool  # False: the idempotency key already named `job_id`, nothing was written
 
 
+def new_job_id_for(keys: Keys, request: JobRequest, idempotency_key: str | None) -> str:
+    """A fresh id for `request`, in the shard its enqueue must use: its idempotency key's shard (the
+    script writes both in one slot), else any shard at random. For callers that need the id before
+    the enqueue (the tenant's job index is written first: api.joblist)."""
+    shard = (random.randrange(keys.shards) if idempotency_key is None
+             else keys.idempotency_shard(request.tenant, idempotency_key))
+    return new_job_id(request.created_at, shard)
+
+
 def _enqueue_call(keys: Keys, request: JobRequest, job_id: str | None, idempotency_key: str | None,
                   idempotency_ttl_s: int, batch_line: tuple[str, str] | None = None,
                   reservation: tuple[str, int] | None = None) -> tuple[list[str], list[str]]:
-    job_id = job_id or new_job_id(request.created_at)
+    job_id = job_id or new_job_id_for(keys, request, idempotency_key)
+    shard = keys.shard_of(job_id)
     record = JobRecord.new(job_id, request, *(batch_line or (None, None)), reservation=reservation)
-    redis_keys = [keys.job(job_id), keys.queue(request.model, request.priority.value)]
+    redis_keys = [keys.job(job_id), keys.queue(request.model, request.priority.value, shard)]
     if idempotency_key is not None:
+        if keys.idempotency_shard(request.tenant, idempotency_key) != shard:
+            raise ValueError(f"job id {job_id!r} is in shard {shard}, its idempotency key is not: "
+                             "let enqueue choose the id")
         redis_keys.append(keys.idempotency(request.tenant, idempotency_key))
     args = [job_id, str(int(idempotency_ttl_s)), *Envelope(job_id=job_id).to_args()]
     for field, value in record.to_redis().items():
@@ -99,12 +115,12 @@ def cancel_job(client, keys: Keys, job_id: str, *, result_ttl_s: int = 86400) ->
     within one step (watch the events); a terminal one is left as it is.
     """
     redis_keys, args = _cancel_call(keys, job_id, result_ttl_s)
-    answer = client.register_script(lua.CANCEL)(keys=redis_keys, args=args)
+    answer = lua.register(client, lua.CANCEL)(keys=redis_keys, args=args)
     return None if answer is None else JobState(text(answer))
 
 
 async def cancel_job_async(client, keys: Keys, job_id: str, *, result_ttl_s: int = 86400) -> JobState | None:
     """`cancel_job` for `redis.asyncio.Redis`."""
     redis_keys, args = _cancel_call(keys, job_id, result_ttl_s)
-    answer = await client.register_script(lua.CANCEL)(keys=redis_keys, args=args)
+    answer = await lua.register(client, lua.CANCEL)(keys=redis_keys, args=args)
     return None if answer is None else JobState(text(answer))

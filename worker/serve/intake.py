@@ -1,10 +1,12 @@
 """The Redis side of taking jobs: read, reclaim, decide, start, renew.
 
-- `read`: XREADGROUP on the served model's queue streams, high before normal before low, never
-  more entries than the engine has room for (the rest wait in Redis, visible to other workers
-  and the autoscaler); `live_only` reads the high and normal streams alone, for the room a
-  worker full of low-lane jobs keeps for live ones (their requests preempt the batch's).
-- `reap`: XAUTOCLAIM entries whose lease ran out (their worker died) on the same streams.
+- `read`: XREADGROUP on the served model's queue streams, high before normal before low across
+  every shard, never more entries than the engine has room for (the rest wait in Redis, visible
+  to other workers and the autoscaler). Each call on a shard touches that shard's slot only; the
+  shard read first rotates, so no shard's jobs wait behind another's of the same priority.
+  `live_only` reads the high and normal lanes alone, for the room a worker full of low-lane jobs
+  keeps for live ones (their requests preempt the batch's).
+- `reap`: XAUTOCLAIM entries whose lease ran out (their worker died), stream by stream.
 - `prepare`: per delivered entry, read the job hash and its event stream in one round trip and
   decide: skip (already terminal), fail (malformed envelope, unknown job, bad request, too many
   deliveries -> `{p}:dlq`), cancel, time out (TTL passed before it ever started), or start. A
@@ -48,6 +50,7 @@ from worker.serve.settings import WorkerSettings
 from worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
 
 log = logging.getLogger("ferry.worker.intake")
+_LIVE_LANES = PRIORITIES.index("low")  # the lanes before `low` in read order: high, normal
 
 @dataclass(slots=True)
 class Streamed:
@@ -86,12 +89,14 @@ class Consumer:
         self.settings = settings
         self.worker_id = worker_id
         self.model = settings.served_model_name
-        self.streams = keys.queues(self.model)
-        self.live_streams = [keys.queue(self.model, p) for p in PRIORITIES if p != "low"]
-        self._start = client.register_script(lua.START)
+        self.streams = keys.queues(self.model)  # every shard's, in read order
+        self.shard_streams = [keys.shard_queues(self.model, n) for n in range(keys.shards)]
+        self._stream_shard = {stream: n for n, streams in enumerate(self.shard_streams) for stream in streams}
+        self._start = lua.register(client, lua.START)
         self._read = client.register_script(lua.READ)
         self._renew = client.register_script(lua.RENEW)
         self._reap_cursor = dict.fromkeys(self.streams, "0-0")
+        self._next_shard = 0  # the shard read first next time (rotates)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on each queue stream (and the stream) if missing."""
@@ -105,26 +110,52 @@ class Consumer:
     # --- taking entries ------------------------------------------------------------------------
 
     def read(self, room: int, block_ms: int, live_only: bool = False) -> list[Delivery]:
-        """Up to `room` new entries, strictly by priority (of the high and normal streams alone
-        with `live_only`); blocks up to `block_ms` when all are empty."""
-        streams = self.live_streams if live_only else self.streams
-        out = self._read_by_priority(room, streams)
+        """Up to `room` new entries, strictly by priority (of the high and normal lanes alone with
+        `live_only`); blocks up to `block_ms` when all are empty."""
+        lanes = _LIVE_LANES if live_only else len(PRIORITIES)
+        out = self._read_by_priority(room, lanes)
         if out or block_ms <= 0:
             return out
-        out = self._xreadgroup(dict.fromkeys(streams, ">"), count=1, block=block_ms)
+        # A blocking read names streams of one slot: block on one shard at a time, in turn, for
+        # block_ms / N; the next call reads every shard first, so an idle worker takes a job in any
+        # shard within about block_ms / N (at once in the shard it blocks on).
+        shard = self._rotate()
+        out = self._xreadgroup(dict.fromkeys(self.shard_streams[shard][:lanes], ">"), count=1,
+                               block=max(1, block_ms // len(self.shard_streams)))
         # Whatever else arrived with it, then the lot in priority order. A client's batch can reach
         # Redis in several reads (its pipeline is processed in chunks, and the blocked read is
         # served after the first), so read until nothing more comes: jobs sent together then
         # share their first step instead of the rest waiting a whole step behind the first few.
         while out and len(out) < room:
-            more = self._read_by_priority(room - len(out), streams)
+            more = self._read_by_priority(room - len(out), lanes)
             if not more:
                 break
             out += more
         out.sort(key=lambda d: self.streams.index(d.stream))
         return out
 
-    def _read_by_priority(self, room: int, streams: list[str]) -> list[Delivery]:
+    def _rotate(self) -> int:
+        shard = self._next_shard
+        self._next_shard = (shard + 1) % len(self.shard_streams)
+        return shard
+
+    def _read_by_priority(self, room: int, lanes: int) -> list[Delivery]:
+        """One READ script per call, each on one slot: the first `lanes` priorities of a single
+        shard at once; with several shards, one priority across the shards (first shard rotating)
+        before the next."""
+        if len(self.shard_streams) == 1:
+            return self._read_streams(self.shard_streams[0][:lanes], room)
+        first = self._rotate()
+        order = [self.shard_streams[(first + i) % len(self.shard_streams)] for i in range(len(self.shard_streams))]
+        out: list[Delivery] = []
+        for lane in range(lanes):
+            for streams in order:
+                if len(out) >= room:
+                    return out
+                out += self._read_streams([streams[lane]], room - len(out))
+        return out
+
+    def _read_streams(self, streams: list[str], room: int) -> list[Delivery]:
         read, missing = self._read(keys=streams, args=[self.keys.group, self.worker_id, room])
         if missing:
             self.ensure_groups()
@@ -173,19 +204,30 @@ class Consumer:
         """Renew the leases of `held` (job id, delivery); returns (lost job ids, cancelled job ids)."""
         if not held:
             return set(), set()
+        by_shard: dict[int, list[tuple[str, Delivery]]] = {}  # one RENEW per shard: a script's keys share a slot
+        for job_id, d in held:
+            by_shard.setdefault(self._stream_shard[d.stream], []).append((job_id, d))
+        groups = list(by_shard.values())
+
         def build():
             pipe = self.client.pipeline(transaction=False)
-            lua.add(pipe, self._renew, [d.stream for _, d in held],
-                              [self.keys.group, self.worker_id] + [d.entry_id for _, d in held])
+            for group in groups:
+                lua.add(pipe, self._renew, [d.stream for _, d in group],
+                        [self.keys.group, self.worker_id] + [d.entry_id for _, d in group])
             for job_id, _ in held:
                 pipe.hget(self.keys.job(job_id), "cancel")
             return pipe
 
-        (lost_entries, missing), *flags = lua.raise_errors(lua.execute(build, [self._renew]))
+        results = lua.raise_errors(lua.execute(build, [self._renew]))
+        lost: set[str] = set()
+        missing: list[str] = []
+        for group, (lost_entries, missing_streams) in zip(groups, results[:len(groups)], strict=True):
+            lost |= {job_id for job_id, d in group if d.entry_id in set(lost_entries)}
+            missing += missing_streams
+        flags = results[len(groups):]
         if missing:
             log.warning("queue streams lost their group: recreating it", extra={"streams": missing})
             self.ensure_groups()
-        lost = {job_id for job_id, d in held if d.entry_id in set(lost_entries)}
         cancelled = {job_id for (job_id, _), flag in zip(held, flags, strict=True) if flag == "1"}
         return lost, cancelled
 

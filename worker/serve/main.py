@@ -26,16 +26,15 @@ import socket
 import threading
 import time
 
-import redis
-
 from worker.engine.parallel.group import RankFailedError
 from worker.protocol import Keys
+from worker.protocol.connect import UNAVAILABLE, connect, is_cluster
 from worker.serve import jsonlog
 from worker.serve.health import serve
 from worker.serve.intake import Consumer
 from worker.serve.metrics import WorkerMetrics
 from worker.serve.publisher import Publisher, PublisherThread
-from worker.serve.retry import UNAVAILABLE, Stopped, call_with_backoff
+from worker.serve.retry import Stopped, call_with_backoff
 from worker.serve.settings import WorkerSettings
 from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, ends_job
 from worker.snapshots.stats import SnapshotCollector, SnapshotStats
@@ -54,9 +53,9 @@ class Worker:
         self.settings = settings
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.model = settings.served_model_name
-        self.keys = Keys(settings.key_prefix)
-        self.client = redis.Redis.from_url(
-            settings.redis_url, decode_responses=True, socket_connect_timeout=2.0,
+        self.keys = Keys(settings.key_prefix, settings.queue_shards)
+        self.client = connect(
+            settings.redis_url, cluster=settings.redis_cluster, decode_responses=True, socket_connect_timeout=2.0,
             socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0), health_check_interval=5,
         )
         self.metrics = WorkerMetrics()
@@ -78,8 +77,9 @@ class Worker:
         self._intake_thread: threading.Thread | None = None
         self.fingerprint = ""
         self.consumer = Consumer(self.client, self.keys, settings, self.worker_id)
-        self._low_stream = self.keys.queue(settings.served_model_name, "low")
-        self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s)
+        self._low_streams = {self.keys.queue(settings.served_model_name, "low", n) for n in range(self.keys.shards)}
+        self.publisher = Publisher(self.client, self.keys, self.model, self.worker_id, settings.result_ttl_s,
+                                   settings.redis_min_replicas, settings.redis_replica_timeout_ms)
         self.publisher_thread = PublisherThread(
             self.publisher, self._on_written, self.stop, settings.redis_backoff_max_s
         )
@@ -235,7 +235,7 @@ class Worker:
         the place of low-lane ones the worker holds (the engine preempts the batch's requests for
         theirs), up to max_num_seqs live jobs in all."""
         held = list(self.leases.values())
-        held_low = sum(d.stream == self._low_stream for d in held)
+        held_low = sum(d.stream in self._low_streams for d in held)
         max_num_seqs = self.settings.engine.max_num_seqs
         live_room = min(max_num_seqs - (len(held) - held_low), held_low)
         stats = self.runner.stats
@@ -410,13 +410,13 @@ class Worker:
                 pipe.zadd(self.keys.models, {self.model: now})
                 pipe.hset(self.keys.model_limits(self.model), mapping=self.model_limits)
                 pipe.expire(self.keys.model_limits(self.model), MODEL_LIMITS_TTL_S)
-                pipe.info("server")
                 for stream in self.consumer.streams:
                     pipe.xinfo_groups(stream)
                 results = pipe.execute(raise_on_error=False)
                 groups = results[-len(self.consumer.streams):]
                 self.metrics.queue_lag.set(sum(_lag(g) for g in groups))
-                self._note_run_id(results[-len(self.consumer.streams) - 1])
+                if not is_cluster(self.client):  # a cluster's failover promotes a replica that kept the data
+                    self._note_run_id(self.client.info("server"))
             except UNAVAILABLE:
                 pass  # the intake logs the outage; the key's TTL tells the others
             self.stop.wait(s.heartbeat_interval_s)

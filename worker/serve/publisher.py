@@ -2,12 +2,12 @@
 
 After each engine step the engine thread hands over the step's writes (`worker.serve.writes`);
 the publisher thread sends all pending writes in a single pipeline, one script call per job
-(`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{id}:events` (entry id
-`{seq}-1`), publishes each on `{p}:job:{id}`, and, when the job ends, writes the result into the
-job hash, sets the expiries and only then XACKs and XDELs the queue entry; the jobs that ended
-are then counted against their tenants (`worker.protocol.usage`). Scripts make each
-job's write atomic: either all of it lands or none, so a re-delivered job never sees events
-without the state that goes with them.
+(`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{s<n>}:{id}:events` (entry id
+`{seq}-1`), publishes each on `{p}:job:{s<n>}:{id}` (SPUBLISH on a cluster), and, when the job
+ends, writes the result into the job hash, sets the expiries and only then XACKs and XDELs the
+queue entry; the jobs that ended are then counted against their tenants (`worker.protocol.usage`).
+Scripts make each job's write atomic: either all of it lands or none, so a re-delivered job never
+sees events without the state that goes with them.
 
 Seq fencing: Redis refuses an event whose seq already exists. A worker that finds another
 worker's event at its next seq has lost the job (it was reclaimed during a stall) and stops
@@ -24,6 +24,7 @@ from collections.abc import Callable
 import redis
 
 from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
+from worker.protocol.connect import UNAVAILABLE, wait_replicated
 from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.protocol.usage import account_jobs
 from worker.serve.retry import Stopped, call_with_backoff
@@ -35,13 +36,16 @@ log = logging.getLogger("ferry.worker.publisher")
 class Publisher:
     """Writes batches of `JobWrite`s; thread-safe (holds no state besides the Redis client)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, result_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, result_ttl_s: int,
+                 min_replicas: int = 0, replica_timeout_ms: int = 1000) -> None:
         self.client = client
+        self.min_replicas = min_replicas  # terminal writes wait for this many replicas (WAIT), 0: not
         self.keys = keys
         self.model = model
         self.worker_id = worker_id
         self.result_ttl_s = int(result_ttl_s)
-        self._emit = client.register_script(lua.EMIT)
+        self.replica_timeout_ms = replica_timeout_ms
+        self._emit = lua.register(client, lua.EMIT)
         self._hand_back = client.register_script(lua.HAND_BACK)
 
     def write(self, writes: list[JobWrite]) -> dict[str, Lost]:
@@ -69,18 +73,34 @@ class Publisher:
         results = lua.execute(build, [self._emit, self._hand_back])
         lost: dict[str, Lost] = {}
         for job_id, result in zip(answers, results, strict=True):
-            if isinstance(result, Exception) and not isinstance(result, redis.ResponseError):
-                raise result
+            if isinstance(result, UNAVAILABLE) or (isinstance(result, Exception)
+                                                   and not isinstance(result, redis.ResponseError)):
+                raise result  # the whole batch is retried: every write of it is idempotent
             if isinstance(result, Exception):
                 log.error("redis refused a write", extra={"job_id": job_id, "error": str(result)})
             elif job_id is not None and result in (0, -1):
                 lost[job_id] = Lost.TAKEN if result == 0 else Lost.RECORD_GONE
         ended = [w.job_id for w in writes if isinstance(w, Finish) and w.job_id not in lost]
+        if self.min_replicas:
+            self._wait_replicated(ended)
         try:
             account_jobs(self.client, self.keys, ended, self.result_ttl_s)
         except redis.RedisError as exc:  # the terminal writes stand; these jobs go uncounted
             log.warning("usage of %d ended job(s) not counted: %s", len(ended), exc)
         return lost
+
+    def _wait_replicated(self, finished: list[str]) -> None:
+        """WAIT on each shard that got a terminal write. Too few replicas is logged, not retried: the
+        write is on the primary, and holding the publisher back would stall every job of this worker."""
+        for job_id in {self.keys.shard_of(j): j for j in finished}.values():
+            try:
+                acks = wait_replicated(self.client, self.keys.ack(job_id), self.min_replicas, self.replica_timeout_ms)
+            except redis.ResponseError as exc:  # MOVED: the slot changed primary since the write (a failover)
+                log.warning("terminal write: no replica count", extra={"job_id": job_id, "error": str(exc)})
+                continue
+            if acks < self.min_replicas:
+                log.warning("terminal write not replicated in time",
+                            extra={"job_id": job_id, "replicas": acks, "required": self.min_replicas})
 
     def _add_emit(self, pipe, w: Progress | Finish | HandBack) -> None:
         keys = [self.keys.events(w.job_id), self.keys.job(w.job_id)]
@@ -100,7 +120,7 @@ class Publisher:
         d = w.delivery
         attempt = int(d.fields.get("attempt", "1") or 1) + 1
         started = w.attempts is not None
-        target = self.keys.queue(self.model, PRIORITIES[0]) if started else d.stream
+        target = self.keys.queue(self.model, PRIORITIES[0], self.keys.shard_of(w.job_id)) if started else d.stream
         keys = [d.stream, target, self.keys.job(w.job_id)]
         args = [TERMINAL_STATES_ARG, JobState.queued.value, self.keys.group, d.entry_id, self.worker_id,
                 w.attempts if started else "", *Envelope(job_id=w.job_id, attempt=attempt).to_args()]

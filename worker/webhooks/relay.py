@@ -1,7 +1,8 @@
 """Turns job events into webhook delivery tasks; runs inside `ferry webhooks`.
 
 The API registers every job that has a webhook in `{p}:webhooks:watch` (after enqueueing it).
-The relay follows the event streams of all watched jobs with one XREAD, remembers the last
+The relay follows the event streams of all watched jobs with one XREAD per queue shard (one hash
+slot each in a cluster), remembers the last
 entry it handled per job in the watch hash (so a restart resumes where it stopped and a job
 that ran while the relay was down is still reported), and hands `job.started` and the terminal
 event to Celery once each (`{p}:webhooks:sent:…` NX guards against double hand-offs). A job
@@ -27,6 +28,7 @@ from worker.protocol import (
     UnreadableRecord,
     event_from_fields,
 )
+from worker.protocol.connect import connect
 from worker.protocol.keys import parse_watch_value, watch_value
 from worker.webhooks.delivery import Attempt, WebhookMessage
 from worker.webhooks.settings import WebhookSettings
@@ -72,10 +74,9 @@ class Relay:
     def __init__(self, settings: WebhookSettings, app=None, client: redis.Redis | None = None):
         self.settings = settings
         self.app = app
-        self.keys = Keys(settings.key_prefix)
-        self.redis = client or redis.Redis.from_url(
-            settings.redis_url, decode_responses=True, socket_connect_timeout=2.0, socket_timeout=RELAY_BLOCK_S + 2.0
-        )
+        self.keys = Keys(settings.key_prefix, settings.queue_shards)
+        self.redis = client or connect(settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
+                                       socket_connect_timeout=2.0, socket_timeout=RELAY_BLOCK_S + 2.0)
         self._last_gc = 0.0
         self.handoff_failures = 0  # relay steps that failed (exported as ferry_webhook_handoff_failures_total)
 
@@ -99,19 +100,33 @@ class Relay:
                 stop.wait(0.2)
 
     def step(self, block_ms: int = int(RELAY_BLOCK_S * 1000)) -> bool:
-        """Hand off the outbox, then one XREAD over every watched job; False when there was nothing to do."""
+        """Hand off the outbox, then read every watched job's new events; False when there was nothing to do."""
         sent_outbox = self._drain_outbox()
         watched = {job: parse_watch_value(v) for job, v in self.redis.hgetall(self.keys.webhook_watch).items()}
         if time.time() - self._last_gc > GC_INTERVAL_S:
             self._forget_expired(watched)
         if not watched:
             return sent_outbox
-        streams = {self.keys.events(job): last for job, (last, _) in watched.items()}
-        answer = self.redis.xread(streams, count=100, block=block_ms) or []
+        jobs_of = {self.keys.events(job): job for job in watched}
+        answer, blocked = self._read(watched, block_ms)
         for stream, entries in answer:
-            job_id = stream.removeprefix(self.keys.prefix + ":job:").removesuffix(":events")
+            job_id = jobs_of[stream]
             self._handle(job_id, entries, watched[job_id][1])
-        return True
+        return blocked or bool(answer)
+
+    def _read(self, watched: dict[str, tuple[str, float]], block_ms: int) -> tuple[list, bool]:
+        """New events of the watched jobs: one XREAD per queue shard, since one XREAD names streams of
+        one hash slot in a cluster; it blocks only when every watched job is in one shard (else the
+        run loop's pause paces the reads). Returns (entries per stream, whether the read blocked)."""
+        by_shard: dict[int, dict[str, str]] = {}
+        for job, (last, _) in watched.items():
+            by_shard.setdefault(self.keys.shard_of(job), {})[self.keys.events(job)] = last
+        if len(by_shard) == 1:
+            return self.redis.xread(next(iter(by_shard.values())), count=100, block=block_ms) or [], True
+        pipe = self.redis.pipeline(transaction=False)
+        for streams in by_shard.values():
+            pipe.xread(streams, count=100)
+        return [item for answer in pipe.execute() for item in (answer or [])], False
 
     def _handle(self, job_id: str, entries: list, registered_at: float) -> None:
         """Relay a batch of one job's events, then move its mark (or drop it after the last)."""
@@ -177,7 +192,7 @@ class Relay:
             "at": time.time(),
         }
         key = self.keys.webhook_deliveries(delivery.job_id)
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=False)  # one key: a cluster pipeline cannot be a transaction
         pipe.hset(key, delivery.event, json.dumps(outcome))
         pipe.expire(key, self.settings.result_ttl_s)
         pipe.execute()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import model_validator
+from pydantic_settings import SettingsConfigDict
+
+from worker.protocol.connect import RedisTopology
 
 
-class WebhookSettings(BaseSettings):
+class WebhookSettings(RedisTopology):
     model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -31,3 +34,10 @@ class WebhookSettings(BaseSettings):
     webhook_metrics_port: int = 9301  # 0 disables the Prometheus endpoint (unauthenticated: keep it on the pod network)
     webhook_metrics_host: str = "127.0.0.1"  # the address it binds; the pod's IP in Kubernetes
     result_ttl_s: int = 86400  # how long delivery outcomes are kept (as long as the job)
+
+    @model_validator(mode="after")
+    def _broker_off_the_cluster(self) -> WebhookSettings:
+        if self.redis_cluster and not self.celery_broker_url:
+            raise ValueError("FERRY_CELERY_BROKER_URL must be set with FERRY_REDIS_CLUSTER=true: Celery's broker "
+                             "cannot be a Redis Cluster (a single Redis, or sqs://)")
+        return self
