@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import anyio
 import redis.asyncio as aredis
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -40,7 +42,9 @@ from worker.protocol import (
 from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
 from worker.protocol.connect import ReplicationWaiter
 from worker.protocol.keys import watch_value
-from worker.protocol.usage import account_job_async
+from worker.protocol.usage import account_job_async, refund_reservation_async
+
+log = logging.getLogger("ferry.api")
 
 MODEL_CACHE_S = 1.0
 _RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is refused
@@ -280,22 +284,31 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
                  admission: Callable[[], Awaitable[tuple[str, int] | None]] | None = None) -> EnqueueResult:
     """Enqueue `request` (already routed to a model and stamped with its tenant). Its rate-limit
     reservation (api.ratelimit) is `reservation`, or what `admission` takes once the request is
-    known to be new (an idempotent replay takes nothing) and the queue has room."""
-    if idempotency_key is not None:
-        known = await svc.redis.get(svc.keys.idempotency(request.tenant, idempotency_key))
-        if known is not None:
-            return await _replay(svc, request, known)
-    if request.webhook is not None:
-        await check_webhook_url(svc, request.webhook.url)
-    await _check_queue(svc, request.model)
-    if admission is not None:
-        reservation = await admission()
-    job_id = new_job_id_for(svc.keys, request, idempotency_key)
-    await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
-    result = await enqueue_job_async(
-        svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
-        idempotency_ttl_s=svc.settings.idempotency_ttl_s, reservation=reservation,
-    )
+    known to be new (an idempotent replay takes nothing) and the queue has room. A request that
+    does not become a new job (a full queue, a failed enqueue, a replay) gives its reservation's
+    tokens back, and the request too when `admission` took it here."""
+    queued, took_request = False, False
+    try:
+        if idempotency_key is not None:
+            known = await svc.redis.get(svc.keys.idempotency(request.tenant, idempotency_key))
+            if known is not None:
+                return await _replay(svc, request, known)
+        if request.webhook is not None:
+            await check_webhook_url(svc, request.webhook.url)
+        await _check_queue(svc, request.model)
+        if admission is not None:
+            reservation = await admission()
+            took_request = True
+        job_id = new_job_id_for(svc.keys, request, idempotency_key)
+        await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
+        result = await enqueue_job_async(
+            svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
+            idempotency_ttl_s=svc.settings.idempotency_ttl_s, reservation=reservation,
+        )
+        queued = result.created
+    finally:
+        if not queued and reservation is not None:
+            await refund(svc, request.tenant, reservation, requests=int(took_request))
     if not result.created:  # lost a race with the same key
         return await _replay(svc, request, result.job_id)
     if svc.replication is not None:
@@ -305,3 +318,15 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
         await svc.redis.hset(svc.keys.webhook_watch, result.job_id, watch_value("0-0", time.time()))
     svc.metrics.jobs.labels(request.model, source).inc()
     return result
+
+
+async def refund(svc: Services, tenant: str, reservation: tuple[str, int], requests: int = 0) -> None:
+    """Give a reservation's tokens (and `requests`) back to its budget. Shielded (it runs on the
+    way out of a failed or cancelled submit); a Redis error is logged, never raised over the error
+    that made the refund necessary."""
+    budget, tokens = reservation
+    try:
+        with anyio.CancelScope(shield=True):
+            await refund_reservation_async(svc.redis, svc.keys, tenant, budget, tokens, requests)
+    except (aredis.RedisError, OSError) as exc:
+        log.warning("could not give back %d tokens to %s's %s budget: %s", tokens, tenant, budget, exc)

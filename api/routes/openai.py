@@ -35,7 +35,7 @@ from api.openai_schemas import (
 )
 from api.ratelimit import admit_jobs
 from api.schemas import error_responses
-from api.services import Services, cancel_job, check_against_model, resolve_model, services, submit
+from api.services import Services, cancel_job, check_against_model, refund, resolve_model, services, submit
 from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
 from worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -317,8 +317,19 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
     for job in jobs:
         await check_against_model(svc, job)
     reservations = await admit_jobs(svc, http.state, jobs[0].tenant, jobs)
-    job_ids = [(await submit(svc, job, None, source="openai", reservation=reservation)).job_id
-               for job, reservation in zip(jobs, reservations, strict=True)]
+    job_ids: list[str] = []
+    try:
+        for job, reservation in zip(jobs, reservations, strict=True):
+            job_ids.append((await submit(svc, job, None, source="openai", reservation=reservation)).job_id)
+    except BaseException:
+        # A job that did not get in (a full queue: 429 queue_full) gave its tokens back in submit;
+        # the ones queued before it are cancelled (which gives theirs back), those after it never
+        # ran, and the request is refunded when none of its jobs was queued.
+        await _cancel_all(svc, job_ids)
+        if reservations[0] is not None:  # one admission: every job's reservation names its budget
+            unsent = sum(tokens for _, tokens in reservations[len(job_ids) + 1:])
+            await refund(svc, jobs[0].tenant, (reservations[0][0], unsent), requests=int(not job_ids))
+        raise
     shapes = [shape_for(job_id, i) for i, job_id in enumerate(job_ids)]
     if stream:
         events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from tests.api.conftest import KEY_A, KEY_B, REDIS_URL, free_port, wait_until
+from tests.api.conftest import KEY_A, KEY_B, REDIS_URL, Proc, free_port, wait_until
 from tests.api.test_batches import BatchStack, chat_line, upload, wait_final
 from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)
 from worker.protocol import Envelope, JobRecord, JobRequest, Keys, new_job_id
@@ -20,8 +20,8 @@ from worker.webhooks.signing import InvalidSignature, new_secret, verify
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
-KEY_LIMITED, KEY_TOKENS, KEY_HOOKS, KEY_USAGE, KEY_ADMIN, KEY_SLOW, KEY_ONCE = (
-    f"sk-ferrytest-{name}" for name in ("limited", "tokens", "hooks", "usage", "admin", "slow", "once"))
+KEY_LIMITED, KEY_TOKENS, KEY_HOOKS, KEY_USAGE, KEY_ADMIN, KEY_SLOW, KEY_ONCE, KEY_FULL = (
+    f"sk-ferrytest-{name}" for name in ("limited", "tokens", "hooks", "usage", "admin", "slow", "once", "full"))
 HOOK_SECRETS = (new_secret(), new_secret())  # the old and the new secret during a rotation
 IDLE = "idle"  # a model accepted (FERRY_MODELS) that no worker serves: its jobs stay queued
 
@@ -40,6 +40,7 @@ KEYS_SETTING = ",".join([
     _entry(KEY_ADMIN, "ops;admin=true"),
     _entry(KEY_SLOW, "tenant-slow;batch_rpm=30"),
     _entry(KEY_ONCE, "tenant-once;rpm=1"),
+    _entry(KEY_FULL, "tenant-full;rpm=1;tpm=100"),
 ])
 
 
@@ -222,6 +223,38 @@ def test_an_idempotent_replay_takes_no_budget(tstack):
         other = api.post("/v1/jobs", headers={"Idempotency-Key": "k2"},
                          json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2}})
         assert other.status_code == 429 and other.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_full_queue_refuses_without_spending_the_budget(tstack):
+    """A 429 queue_full takes nothing from the tenant's budget, on the job route and on the OpenAI
+    routes (which admit a request before its jobs reach the queue): the one request a minute and
+    the 100 tokens stay for a request that gets in."""
+    port = free_port()
+    full = Proc("api-full", ["api", "--host", "127.0.0.1", "--port", str(port)],
+                tstack.env | {"FERRY_MAX_QUEUE_LEN": "1"}, tstack.logs)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(url + "/healthz").status_code == 200, 60, "api-full", [full])
+        with http(url, KEY_A) as a, http(url, KEY_FULL) as limited:
+            parked = a.post("/v1/jobs", json={"input": {"model": IDLE, "prompt": "hi", "max_tokens": 2}})
+            assert parked.status_code in (202, 429)  # 429: an earlier test's job of IDLE waits already
+            for _ in range(3):
+                refused = [
+                    limited.post("/v1/chat/completions", json={"model": IDLE, "max_tokens": 90,
+                                                                "messages": [{"role": "user", "content": "hi"}]}),
+                    limited.post("/v1/completions", json={"model": IDLE, "prompt": ["a", "b"], "max_tokens": 40}),
+                    limited.post("/v1/jobs", json={"input": {"model": IDLE, "prompt": "hi", "max_tokens": 90}}),
+                ]
+                assert [r.json()["error"]["code"] for r in refused] == ["queue_full"] * 3, [r.text for r in refused]
+        with http(tstack.url, KEY_FULL) as limited:
+            r = limited.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 90})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        if parked.status_code == 202:
+            with http(url, KEY_A) as a:
+                a.post(f"/v1/jobs/{parked.json()['id']}/cancel")
+    finally:
+        full.stop()
 
 
 def test_usage_counts_ended_jobs_for_the_caller_and_on_metrics(tstack):

@@ -271,6 +271,23 @@ redis.call('EXPIRE', KEYS[1], ARGV[5])
 return out
 """
 
+# Give back what an admission took for work that was never queued (the API: a full queue, or a
+# failed enqueue, after the budget was taken). KEYS: the budget's bucket hash. ARGV: now (ms),
+# requests, tokens. Each bucket is refilled to now first, then credited, capped at its capacity.
+RATE_REFUND = """
+local now = tonumber(ARGV[1])
+local names, amounts = {'req', 'tok'}, {tonumber(ARGV[2]), tonumber(ARGV[3])}
+for i = 1, 2 do
+  local have = redis.call('HMGET', KEYS[1], names[i], names[i] .. '_ts', names[i] .. '_cap')
+  local level, ts, cap = tonumber(have[1]), tonumber(have[2]), tonumber(have[3])
+  if level and cap and amounts[i] > 0 then
+    level = math.min(cap, level + math.max(0, now - ts) * cap / 60000 + amounts[i])
+    redis.call('HSET', KEYS[1], names[i], tostring(level), names[i] .. '_ts', ARGV[1])
+  end
+end
+return 1
+"""
+
 # Count a job that ended, once (whoever saw the end: the worker's publisher, or the API for a job
 # cancelled while queued). KEYS: the job's `usage_counted` marker, the tenant's usage totals, its
 # usage of the day[, the bucket hash its tokens were reserved in]. ARGV: marker ttl, prompt tokens,

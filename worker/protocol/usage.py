@@ -73,3 +73,12 @@ async def account_job_async(client, keys: Keys, job_id: str, marker_ttl_s: int) 
     call = account_call(keys, job_id, await client.hmget(keys.job(job_id), ACCOUNT_FIELDS), marker_ttl_s)
     if call is not None:
         await client.register_script(lua.ACCOUNT)(keys=call[0], args=call[1])
+
+
+async def refund_reservation_async(client, keys: Keys, tenant: str, budget: str, tokens: int, requests: int) -> None:
+    """Give back an admission's requests and tokens for work that never reached the queue
+    (`lua.RATE_REFUND`; `redis.asyncio` client)."""
+    if tokens <= 0 and requests <= 0:
+        return
+    await client.register_script(lua.RATE_REFUND)(
+        keys=[keys.rate_bucket(tenant, budget)], args=[int(time.time() * 1000), requests, max(tokens, 0)])
