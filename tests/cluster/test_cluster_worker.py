@@ -117,8 +117,11 @@ def test_failover_of_a_shards_primary_while_jobs_stream(fleet, local_cluster):
     client, keys, workers = fleet
     ids = [enqueue(client, keys, prompt=f"failover {i}: the quick brown fox", max_tokens=60) for i in range(20)]
     wait_for(lambda: sum(len(events(client, keys, j)) >= 3 for j in ids) >= 2, 60, "jobs to stream")
-    local_cluster.kill_primary_for_slot(keys.shard_slot(0))
+    killed = local_cluster.kill_primary_for_slot(keys.shard_slot(0))
     local_cluster.wait_healthy()
+    assert local_cluster.primary_for_slot(keys.shard_slot(0)) != killed  # the replica took the shard over
     _check_completed(client, keys, ids, 60)
-    assert workers[0].proc.poll() is None, workers[0].log()[-3000:]  # a retry, not a crash
-    assert "redis unavailable, retrying" in workers[0].log()
+    # A retry, not a crash. Whether the worker logs "redis unavailable, retrying" depends on timing:
+    # redis-py's cluster client refreshes its slot map and retries on its own, and often absorbs the
+    # failover before the worker's backoff loop sees an error (CI of stop 32 saw no such line).
+    assert workers[0].proc.poll() is None, workers[0].log()[-3000:]
