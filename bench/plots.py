@@ -273,6 +273,39 @@ def plot_quantized(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "quantized.png")]
 
 
+def plot_structured(data: dict, out_dir: Path) -> list[Path]:
+    """Tokens/s with and without a JSON schema per batch (left), mask time per step (right), bench.structured."""
+    runs = data.get("runs") or []
+    batches = sorted({r["batch"] for r in runs})
+    if not batches:
+        return []
+
+    def run(batch: int, system: str) -> dict:
+        return next((r for r in runs if r["batch"] == batch and r["system"] == system), {})
+
+    fig, (ax, mask) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    for i, (system, colour) in enumerate((("plain", "tab:gray"), ("schema", "tab:blue"))):
+        xs = [j + (i - 0.5) * 0.4 for j in range(len(batches))]
+        rates = [run(b, system).get("tok_s") or 0 for b in batches]
+        labels = [f"{r:.0f}" if system == "plain" else f"{r:.0f} ({run(b, system).get('slowdown', 0):.0%} slower)"
+                  for b, r in zip(batches, rates, strict=True)]
+        ax.bar_label(ax.bar(xs, rates, width=0.4, color=colour, label="no grammar" if system == "plain"
+                            else "JSON schema"), labels=labels, fontsize=8)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("output tokens/s (greedy)")
+    ax.set_title(f"{data.get('model', 'model')}: tokens/s".replace(" (bundled GGUF)", ""))
+    ax.legend()
+    for i, (pct, colour) in enumerate((("p50", "tab:blue"), ("p90", "tab:purple"))):
+        xs = [j + (i - 0.5) * 0.4 for j in range(len(batches))]
+        values = [(run(b, "schema").get("mask_ms") or {}).get(pct) or 0 for b in batches]
+        mask.bar_label(mask.bar(xs, values, width=0.4, color=colour, label=pct), fmt="%.2f", fontsize=8)
+    mask.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    mask.set_ylabel("grammar masks per step, ms")
+    mask.set_title("mask fill + apply")
+    mask.legend()
+    return [_save(fig, out_dir / "structured.png")]
+
+
 def plot_redis_capacity(data: dict, out_dir: Path) -> list[Path]:
     """Redis shards a fleet needs, from bench.redis_capacity's JSON."""
     sizing = data.get("sizing") or {}
@@ -314,7 +347,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     drawers = {
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
         "batch": plot_batch, "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
-        "redis_capacity": plot_redis_capacity,
+        "redis_capacity": plot_redis_capacity, "structured": plot_structured,
     }
     paths = []
     for suite, data in results.items():

@@ -12,7 +12,8 @@ request (default 64):
 
     python -m bench.structured [--model PATH] [--tokens 64] [--batches 1,32]
 
-Writes bench/results/structured-<time>.json (and structured-latest.json) and prints a summary.
+Writes bench/results/structured-<time>.json (and structured-latest.json), bench/plots/structured.png
+and prints a summary.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from bench.common import percentiles, write_result
+from bench.plots import plot_structured
+
+REPO = Path(__file__).resolve().parents[1]
 
 SCHEMA = {
     "type": "object",
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"model": str(args.model or "SmolLM2-135M-Instruct (bundled GGUF)"), "tokens": args.tokens,
                "compile": {k: round(v, 4) for k, v in compile.items()}, "runs": runs}
     path = write_result("structured", payload)
+    plot_structured(payload, REPO / "bench" / "plots")
     print(json.dumps({"compile": payload["compile"], "runs": runs}, indent=1))
     print(f"wrote {path}")
     return 0
