@@ -196,3 +196,43 @@ def test_a_lower_priority_request_never_preempts():
     sched.add(make_request("batch", 3, priority=2))
     out = sched.schedule()
     assert out.preempted == [] and _plan(out) == [("live", 1)]
+
+
+def test_background_decodes_sit_out_a_step_that_prefills_a_foreground_prompt():
+    sched = Scheduler(KVCacheManager(32, 4, False), 8, 32, background_priority=2)
+    for rid in ("b0", "b1"):
+        sched.add(make_request(rid, 3, priority=2))
+    _advance(sched, sched.schedule())
+    assert _plan(sched.schedule()) == [("b0", 1), ("b1", 1)]  # decoding, nothing else here
+    sched.add(make_request("live", 6, priority=1))
+    out = sched.schedule()
+    assert _plan(out) == [("live", 6)]  # the batch keeps its blocks but computes nothing this step
+    assert not out.preempted and [r.status for r in sched.running] == [RequestStatus.RUNNING] * 3
+    _advance(sched, out)
+    assert _plan(sched.schedule()) == [("b0", 1), ("b1", 1), ("live", 1)]  # prefilled: all decode again
+
+
+def test_background_sits_out_every_chunk_of_a_long_foreground_prompt_and_no_step_of_a_decode():
+    sched = Scheduler(KVCacheManager(32, 4, False), 8, 8, background_priority=2)
+    sched.add(make_request("batch", 2, priority=2))
+    sched.add(make_request("live", 2, priority=0))
+    out = sched.schedule()
+    assert _plan(out) == [("live", 2)]  # a waiting foreground request holds the batch back at admission too
+    _advance(sched, out)
+    out = sched.schedule()
+    assert _plan(out) == [("live", 1), ("batch", 2)]
+    _advance(sched, out)
+    sched.add(make_request("long", 12, priority=1))
+    for chunk in (7, 5):  # the budget left after the live decode, then the rest: the batch waits for both
+        out = sched.schedule()
+        assert _plan(out) == [("live", 1), ("long", chunk)]
+        _advance(sched, out)
+    assert _plan(sched.schedule()) == [("live", 1), ("batch", 1), ("long", 1)]
+
+
+def test_without_a_background_priority_every_running_request_decodes():
+    sched = _scheduler()
+    sched.add(make_request("batch", 3, priority=2))
+    _advance(sched, sched.schedule())
+    sched.add(make_request("live", 4, priority=0))
+    assert _plan(sched.schedule()) == [("batch", 1), ("live", 4)]

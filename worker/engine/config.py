@@ -97,6 +97,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A collective between the ranks that waits longer than this fails the step: a hung rank
     tensor_parallel_timeout_s: float = 120.0
+    # Requests at this priority or beyond (the worker's `low` lane, batches) compute nothing in a
+    # step that prefills a higher-priority prompt, so live TTFT does not pay for their decodes
+    background_priority: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

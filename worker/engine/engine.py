@@ -104,6 +104,7 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or (4096 if self.device.type == "cuda" else 512),
             watermark_blocks=min(num_blocks // 100, 8),
+            background_priority=cfg.background_priority,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Structured outputs (None without a tokenizer: grammars are over the tokens' text).

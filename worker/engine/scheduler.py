@@ -10,6 +10,12 @@ Priority is strict at admission too: a waiting request that finds every sequence
 pool) taken sends the lowest-priority running request of a lower priority back to waiting, so a
 live request never waits behind a batch's. The victim's full blocks stay in the prefix cache, so
 taking it back up recomputes little more than its last partial block.
+
+Background work steps aside for foreground prompts: with `background_priority` set, a step that
+prefills a request of higher priority (a live prompt arriving while a batch decodes) leaves out the
+running requests at that priority or below, and admits none of them. Those running keep their
+blocks and simply compute nothing for one step, so the live prompt's first token costs its own
+prefill, not a step of 64 batch decodes.
 """
 
 from __future__ import annotations
@@ -46,11 +52,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
+        background_priority: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks  # kept free when admitting, so decodes rarely preempt
+        # Requests at this priority or beyond sit out steps that prefill a higher-priority one (None: never).
+        self.background_priority = background_priority
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -104,11 +113,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [])
+        stands_aside = self._background_stands_aside()
         # 1) Running requests first, in admission order; the pool running short preempts the
         #    lowest-priority, latest-arrived running request (possibly this one).
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if stands_aside and request.priority >= self.background_priority:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
@@ -141,6 +154,8 @@ class Scheduler:
         index = 0
         while not pool_was_short and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
+            if stands_aside and request.priority >= self.background_priority:
+                break  # sorted by priority: the rest are background prompts too, admitted next step
             if request.awaiting_grammar:
                 index += 1
                 continue
@@ -160,6 +175,17 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _background_stands_aside(self) -> bool:
+        """Whether this step leaves the background requests out: some foreground request has
+        more than its next token to compute (a prompt, a resumed job's streamed tokens, a
+        recompute after preemption), running or waiting to be admitted."""
+        if self.background_priority is None:
+            return False
+        for request in self.running:
+            if request.priority < self.background_priority and request.num_tokens - request.num_computed_tokens > 1:
+                return True
+        return any(r.priority < self.background_priority and not r.awaiting_grammar for r in self.waiting)
 
     def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> int:
         """Preempt lower-priority running requests, lowest and latest first, until the

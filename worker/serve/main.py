@@ -18,6 +18,7 @@ worker drains the same way (no snapshot) and exits with EXIT_ENGINE_FAILED.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +28,7 @@ import threading
 import time
 
 from worker.engine.parallel.group import RankFailedError
-from worker.protocol import Keys
+from worker.protocol import ENGINE_PRIORITY, Keys, Priority
 from worker.protocol.connect import UNAVAILABLE, connect, is_cluster
 from worker.serve import jsonlog
 from worker.serve.health import serve
@@ -146,7 +147,10 @@ class Worker:
         if s.torch_threads:
             torch.set_num_threads(s.torch_threads)
         started = time.monotonic()
-        self.engine = Engine.from_config(s.engine)
+        engine_config = s.engine
+        if engine_config.background_priority is None:  # the low lane is the batch lane: it yields to live prompts
+            engine_config = dataclasses.replace(engine_config, background_priority=ENGINE_PRIORITY[Priority.low])
+        self.engine = Engine.from_config(engine_config)
         idle_task = None
         if s.snapshot_url:
             self.snapshots = SnapshotKeeper(self.engine, s.snapshot_url, s.snapshot_interval_s, s.snapshot_max_bytes,
