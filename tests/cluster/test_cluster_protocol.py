@@ -80,3 +80,41 @@ def test_a_worker_reads_high_before_normal_before_low_across_shards(cclient, cke
     assert consumer.read(room=5, block_ms=300) == []  # blocks on the shards in turn, then gives up
     cclient.xadd(ckeys.queue("tiny", "normal", 1), {"job_id": "late-s1", "attempt": "1"})
     assert [d.fields["job_id"] for d in consumer.read(room=1, block_ms=300)] == ["late-s1"]
+
+
+def _job_ids(deliveries) -> list[str]:
+    return [d.fields["job_id"] for d in deliveries]
+
+
+def test_an_idle_worker_blocks_on_every_shard_at_once_and_keeps_room_for_its_reads(cclient, ckeys):
+    """A job in any shard wakes an idle worker at once. One blocked read per shard cannot be done
+    on one connection (a blocking read names one slot); blocking on the shards in turn would return
+    nothing here: the job lands in a shard the first turn does not block on."""
+    import threading
+
+    from worker.serve.intake import Consumer
+    from worker.serve.settings import WorkerSettings
+
+    consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
+    consumer.ensure_groups()
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(consumer.read(room=8, block_ms=8000)))
+    reader.start()
+    time.sleep(0.5)  # the reads are blocked by now
+    cclient.xadd(ckeys.queue("tiny", "normal", 2), {"job_id": "late-s2", "attempt": "1"})
+    reader.join(20)
+    assert _job_ids(got[0]) == ["late-s2"]
+    # The other shards' reads are still blocked, and each may still claim an entry: with room for
+    # two, both places are theirs, so nothing else is read.
+    assert consumer.in_flight == 2
+    cclient.xadd(ckeys.queue("tiny", "high", 2), {"job_id": "queued-s2", "attempt": "1"})
+    assert consumer.read(room=2, block_ms=0) == []
+    assert _job_ids(consumer.read(room=3, block_ms=0)) == ["queued-s2"]
+    # An entry a read in flight claims comes with the next read, or from settle (a drain).
+    cclient.xadd(ckeys.queue("tiny", "low", 0), {"job_id": "during-s0", "attempt": "1"})
+    deadline = time.monotonic() + 10
+    while consumer.in_flight == 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    cclient.xadd(ckeys.queue("tiny", "low", 1), {"job_id": "during-s1", "attempt": "1"})
+    assert sorted(_job_ids(consumer.settle(5.0))) == ["during-s0", "during-s1"]
+    assert consumer.in_flight == 0

@@ -3,7 +3,8 @@
 - `read`: XREADGROUP on the served model's queue streams, high before normal before low across
   every shard, never more entries than the engine has room for (the rest wait in Redis, visible
   to other workers and the autoscaler). Each call on a shard touches that shard's slot only; the
-  shard read first rotates, so no shard's jobs wait behind another's of the same priority.
+  shard read first rotates, so no shard's jobs wait behind another's of the same priority. An
+  idle worker with several shards blocks on all of them at once (`worker.serve.shard_watch`).
   `live_only` reads the high and normal lanes alone, for the room a worker full of low-lane jobs
   keeps for live ones (their requests preempt the batch's).
 - `reap`: XAUTOCLAIM entries whose lease ran out (their worker died), stream by stream.
@@ -47,6 +48,7 @@ from worker.protocol import (
 from worker.protocol.codec import pairs_to_dict
 from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.serve.settings import WorkerSettings
+from worker.serve.shard_watch import ShardWatch
 from worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
 
 log = logging.getLogger("ferry.worker.intake")
@@ -97,6 +99,8 @@ class Consumer:
         self._renew = client.register_script(lua.RENEW)
         self._reap_cursor = dict.fromkeys(self.streams, "0-0")
         self._next_shard = 0  # the shard read first next time (rotates)
+        # Several shards: a blocked read per shard, so an idle worker takes a job from any at once.
+        self._watch = ShardWatch(keys.shards, self._read_shard) if keys.shards > 1 else None
 
     def ensure_groups(self) -> None:
         """Create the consumer group on each queue stream (and the stream) if missing."""
@@ -111,28 +115,47 @@ class Consumer:
 
     def read(self, room: int, block_ms: int, live_only: bool = False) -> list[Delivery]:
         """Up to `room` new entries, strictly by priority (of the high and normal lanes alone with
-        `live_only`); blocks up to `block_ms` when all are empty."""
+        `live_only`); blocks up to `block_ms` when all are empty. With several shards the blocked
+        reads may outlive the call (`ShardWatch`): what they may still claim counts against `room`."""
         lanes = _LIVE_LANES if live_only else len(PRIORITIES)
-        out = self._read_by_priority(room, lanes)
+        out = self._watch.collect() if self._watch is not None else []
+        free = room - self.in_flight
+        if free - len(out) > 0:
+            out += self._read_by_priority(free - len(out), lanes)
         if out or block_ms <= 0:
             return out
-        # A blocking read names streams of one slot: block on one shard at a time, in turn, for
-        # block_ms / N; the next call reads every shard first, so an idle worker takes a job in any
-        # shard within about block_ms / N (at once in the shard it blocks on).
-        shard = self._rotate()
-        out = self._xreadgroup(dict.fromkeys(self.shard_streams[shard][:lanes], ">"), count=1,
-                               block=max(1, block_ms // len(self.shard_streams)))
+        if self._watch is None:
+            out = self._xreadgroup(dict.fromkeys(self.shard_streams[0][:lanes], ">"), count=1, block=block_ms)
+        else:
+            out = self._watch.wait(lanes, block_ms, free)
+            free = room - self.in_flight
         # Whatever else arrived with it, then the lot in priority order. A client's batch can reach
         # Redis in several reads (its pipeline is processed in chunks, and the blocked read is
         # served after the first), so read until nothing more comes: jobs sent together then
         # share their first step instead of the rest waiting a whole step behind the first few.
-        while out and len(out) < room:
-            more = self._read_by_priority(room - len(out), lanes)
+        while len(out) < free:  # at least once: a read in flight may have held back the room for it
+            more = self._read_by_priority(free - len(out), lanes)
             if not more:
                 break
             out += more
-        out.sort(key=lambda d: self.streams.index(d.stream))
-        return out
+        return self._in_read_order(out)
+
+    @property
+    def in_flight(self) -> int:
+        """Entries blocked reads in flight may still claim (0 on one shard: its read ends with `read`)."""
+        return self._watch.in_flight if self._watch is not None else 0
+
+    def settle(self, timeout_s: float) -> list[Delivery]:
+        """Stop reading: wait up to `timeout_s` for the blocked reads in flight, and return what they
+        claimed (a draining worker hands it back)."""
+        return self._watch.settle(timeout_s) if self._watch is not None else []
+
+    def _read_shard(self, shard: int, lanes: int, block_ms: int) -> list[Delivery]:
+        """One blocked read of a shard's first `lanes` priorities, at most one entry (`ShardWatch`)."""
+        return self._xreadgroup(dict.fromkeys(self.shard_streams[shard][:lanes], ">"), count=1, block=block_ms)
+
+    def _in_read_order(self, deliveries: list[Delivery]) -> list[Delivery]:
+        return sorted(deliveries, key=lambda d: self.streams.index(d.stream))
 
     def _rotate(self) -> int:
         shard = self._next_shard

@@ -265,9 +265,10 @@ class Worker:
                     self._room.wait(min(0.1, max(0.0, next_renew - now)))
                     continue
                 deliveries: list[Delivery] = []
-                if room > 0 and now >= next_reap:
+                reap_room = room - self.consumer.in_flight  # blocked reads may still claim that many
+                if reap_room > 0 and now >= next_reap:
                     held = {d.entry_id for d in list(self.leases.values())}
-                    deliveries = self._backoff("reap", self.draining, self.consumer.reap, room, held)
+                    deliveries = self._backoff("reap", self.draining, self.consumer.reap, reap_room, held)
                     next_reap = now + s.reaper_interval_s
                 if not deliveries:
                     block_ms = int(min(s.read_block_ms, 1000 * max(0.001, min(next_renew, next_reap) - now)))
@@ -282,6 +283,20 @@ class Worker:
                     self._take_safely(deliveries)
         except Stopped:
             pass
+        finally:
+            self._hand_back_unread()
+
+    def _hand_back_unread(self) -> None:
+        """Entries the shard reads still in flight claimed after the intake stopped: back to the
+        queue now, not after a lease (another worker takes them at once)."""
+        try:
+            claimed = self.consumer.settle(self.settings.read_block_ms / 1000)
+            back = [HandBack(d.fields["job_id"], d) for d in claimed if d.fields.get("job_id")]
+            if back:
+                log.info("handing back jobs read during the drain", extra={"jobs": [w.job_id for w in back]})
+                self.publisher.write(back)
+        except UNAVAILABLE as exc:  # they stay pending under our name: the reaper offers them after the lease
+            log.warning("could not hand back the jobs read during the drain: %s", exc)
 
     def _take_safely(self, deliveries: list[Delivery]) -> None:
         """Start `deliveries` in two chunks: the engine may begin a step with the first while the
