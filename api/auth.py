@@ -18,6 +18,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import ApiError
+from worker.protocol.key_source import KeySource
 from worker.protocol.tenants import KeyConfig, KeyEntry, TenantConfig, hash_key
 
 log = logging.getLogger("ferry.api")
@@ -28,9 +29,15 @@ __all__ = ["OPEN_TENANT", "KeyRing", "hash_key"]
 
 @dataclass(frozen=True, slots=True)
 class KeyRing:
-    """The key configuration as the API checks it. No keys means open mode."""
+    """The key configuration as the API checks it, kept current from FERRY_API_KEYS_FILE
+    (`worker.protocol.key_source`: a key revoked there stops working within seconds). No keys
+    means open mode."""
 
-    config: KeyConfig
+    source: KeySource
+
+    @property
+    def config(self) -> KeyConfig:
+        return self.source.current()
 
     @property
     def open(self) -> bool:
@@ -38,7 +45,7 @@ class KeyRing:
 
     @classmethod
     def parse(cls, spec: str | None = None, file: str | None = None) -> KeyRing:
-        return cls(KeyConfig.parse(spec, file))
+        return cls(KeySource(spec, file))
 
     def tenant_names(self) -> list[str]:
         """Every tenant a key names, sorted (the open tenant alone in open mode)."""
@@ -50,14 +57,15 @@ class KeyRing:
 
     def entry_for(self, token: str | None) -> KeyEntry:
         """Whose a bearer token is; ApiError 401 when missing or wrong."""
-        if self.open:
+        keys = self.config.keys  # one version of the configuration for the whole check
+        if not keys:
             return KeyEntry(OPEN_TENANT)
         if not token:
             raise _unauthorized("missing bearer API key (Authorization: Bearer <key>)")
         digest = hashlib.sha256(token.encode()).hexdigest()
         # Compare against every configured digest so timing does not reveal near misses.
         found = None
-        for known, entry in self.config.keys.items():
+        for known, entry in keys.items():
             if hmac.compare_digest(known, digest):
                 found = entry
         if found is None:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +24,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 KEY_LIMITED, KEY_TOKENS, KEY_HOOKS, KEY_USAGE, KEY_ADMIN, KEY_SLOW, KEY_ONCE, KEY_FULL = (
     f"sk-ferrytest-{name}" for name in ("limited", "tokens", "hooks", "usage", "admin", "slow", "once", "full"))
 HOOK_SECRETS = (new_secret(), new_secret())  # the old and the new secret during a rotation
+KEY_ROTATE, KEY_ADDED = "sk-ferrytest-rotate", "sk-ferrytest-added"  # configured in the key file
+ROTATE_SECRETS = (new_secret(), new_secret())
 IDLE = "idle"  # a model accepted (FERRY_MODELS) that no worker serves: its jobs stay queued
 
 
@@ -47,8 +50,12 @@ KEYS_SETTING = ",".join([
 @pytest.fixture(scope="module")
 def tstack(tiny_model_factory, tmp_path_factory):
     """Worker, webhook worker and two API processes on one Redis; /metrics labels the first 3 tenants."""
-    stack = BatchStack(tiny_model_factory, tmp_path_factory.mktemp("tenants"), webhooks=True,
-                       FERRY_API_KEYS=KEYS_SETTING, FERRY_USAGE_METRICS_TENANTS="3", FERRY_MODELS=f"tiny,{IDLE}")
+    directory = tmp_path_factory.mktemp("tenants")
+    key_file = directory / "api-keys"  # rewritten by the rotation test: both processes re-read it
+    key_file.write_text(_entry(KEY_ROTATE, f"tenant-rotate;webhook_secret={ROTATE_SECRETS[0]}") + "\n")
+    stack = BatchStack(tiny_model_factory, directory, webhooks=True, FERRY_API_KEYS=KEYS_SETTING,
+                       FERRY_API_KEYS_FILE=str(key_file), FERRY_USAGE_METRICS_TENANTS="3",
+                       FERRY_MODELS=f"tiny,{IDLE}")
     port = free_port()
     stack.procs["api2"] = stack.start_api("api2", port)
     stack.url2 = f"http://127.0.0.1:{port}"
@@ -294,6 +301,55 @@ def test_a_tenants_own_secrets_both_sign_its_webhooks(tstack, receiver):  # noqa
         verify(tstack.env["FERRY_WEBHOOK_SECRET"], got.headers, got.body)
     verify(tstack.env["FERRY_WEBHOOK_SECRET"], plain.headers, plain.body)  # other tenants: the global secret
     assert len(plain.headers["webhook-signature"].split()) == 1
+
+
+def test_a_secret_rotated_in_the_key_file_signs_without_a_restart(tstack, receiver):  # noqa: F811
+    """Old secret alone, then old and new, then new alone, by rewriting FERRY_API_KEYS_FILE under the
+    running API and webhook worker; a key added to the file works, a broken file changes nothing."""
+    key_file = Path(tstack.env["FERRY_API_KEYS_FILE"])
+    old, new = ROTATE_SECRETS
+
+    def signed_with(phase: str) -> list[str]:
+        with http(tstack.url, KEY_ROTATE) as api:
+            r = api.post("/v1/jobs", json={"input": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                           "webhook": {"url": f"{receiver.base}/{phase}", "events": ["job.completed"]}})
+            assert r.status_code == 202, r.text
+        [got] = receiver.wait_for(1, path=f"/{phase}")
+        return [s for s in (old, new) if _verifies(s, got)]
+
+    def rewrite(*secrets: str, extra: str = "") -> None:
+        options = "".join(f";webhook_secret={s}" for s in secrets)
+        key_file.write_text(_entry(KEY_ROTATE, f"tenant-rotate{options}") + "\n" + extra)
+
+    def until(expected: list[str], phase: str) -> None:
+        deadline, seen = time.monotonic() + 20, None
+        for attempt in range(100):
+            seen = signed_with(f"{phase}-{attempt}")
+            if seen == expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert seen == expected, (phase, seen)
+
+    assert signed_with("before") == [old]
+    rewrite(old, new, extra=_entry(KEY_ADDED, "tenant-zadded") + "\n")
+    until([old, new], "overlap")
+    with http(tstack.url, KEY_ADDED) as added:
+        wait_until(lambda: added.get("/v1/jobs").status_code == 200, 20, "the added key", tstack.procs.values())
+    key_file.write_text("not a key entry\n")  # a broken file: the configuration in force stays
+    time.sleep(2.5)
+    assert signed_with("broken") == [old, new]
+    rewrite(new)
+    until([new], "after")
+    with http(tstack.url, KEY_ADDED) as added:  # gone from the file: revoked
+        wait_until(lambda: added.get("/v1/jobs").status_code == 401, 20, "the revoked key", tstack.procs.values())
+
+
+def _verifies(secret: str, got) -> bool:
+    try:
+        verify(secret, got.headers, got.body)
+    except InvalidSignature:
+        return False
+    return True
 
 
 def test_admin_lists_and_requeues_dead_lettered_jobs_and_others_get_403(tstack):

@@ -22,7 +22,8 @@ class WebhookSettings(RedisTopology):
     celery_sqs_queue_name_prefix: str = ""  # kombu creates <prefix><queue> itself when no queue URL is given
     webhook_secret: str | None = None  # "whsec_<base64>"; required to deliver
     # The API's key configuration (worker.protocol.tenants): a tenant's `webhook_secret` options sign
-    # its webhooks instead of webhook_secret. Read at start-up: restart to rotate.
+    # its webhooks instead of webhook_secret. The file is re-read when it changes
+    # (worker.protocol.key_source): a rotation needs no restart.
     api_keys: str | None = None
     api_keys_file: str | None = None
     webhook_retry_base_s: float = 2.0  # first retry after ~base, then doubling (with jitter)

@@ -9,7 +9,7 @@ from celery import Celery
 from kombu.transport.SQS import CHARS_REPLACE_TABLE
 
 from worker.protocol import Keys
-from worker.protocol.tenants import KeyConfig
+from worker.protocol.key_source import KeySource
 from worker.webhooks.delivery import WebhookMessage, attempt_delivery, backoff_s
 from worker.webhooks.settings import WebhookSettings
 
@@ -71,7 +71,7 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     (delivered, refused, rejected, gone, or out of attempts).
     """
     keys = Keys(settings.key_prefix)
-    tenants = KeyConfig.parse(settings.api_keys, settings.api_keys_file)
+    tenants = KeySource(settings.api_keys, settings.api_keys_file)  # re-read when the key file changes
     app = Celery("ferry", broker=settings.celery_broker_url or settings.redis_url, set_as_current=False)
     app.conf.update(
         broker_transport_options=broker_transport_options(settings),
@@ -95,7 +95,7 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
             raise RuntimeError("FERRY_WEBHOOK_SECRET is not set")
         attempt = attempt_delivery(
             d,
-            tenants.tenant(d.tenant).webhook_secrets or [settings.webhook_secret],
+            tenants.current().tenant(d.tenant).webhook_secrets or [settings.webhook_secret],
             allow_private=settings.webhook_allow_private,
             timeout_s=settings.webhook_timeout_s,
         )
