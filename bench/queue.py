@@ -181,8 +181,11 @@ class QueueClient:
 
 
 def start_worker(
-    model: Path, redis_url: str, prefix: str, jobs: int, threads: int | None, log: Path
+    model: Path, redis_url: str, prefix: str, jobs: int, threads: int | None, log: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
+    """A `ferry worker` subprocess serving `model` as "bench"; `extra_env`: more FERRY_* settings
+    (a cluster's FERRY_REDIS_CLUSTER and FERRY_QUEUE_SHARDS)."""
     kw = _engine_kwargs(jobs)
     env = {
         **os.environ,
@@ -200,6 +203,7 @@ def start_worker(
     }
     if threads:
         env["FERRY_TORCH_THREADS"] = str(threads)
+    env.update(extra_env or {})
     return subprocess.Popen([sys.executable, "-m", "worker.serve.main"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=log.open("w"))
 

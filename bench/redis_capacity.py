@@ -15,10 +15,11 @@ on a real `ferry worker`, against the ops/s one Redis node sustains on the token
    a shard's busy share is G*T*events_per_token / events/s + G*T/tokens_per_job * per_job /
    commands/s; shards = that over `--headroom` (half a node's ceiling keeps p99 latency flat).
 
-The 1-vs-3-shard comparison and the added TTFT through a cluster need the local cluster fixture
-(`worker/tools/local_cluster.py`, issue 22's cluster part); this suite measures one node.
+4. cluster (`bench.redis_cluster`, skipped with `--no-cluster`): jobs/s and token messages/s with
+   1 vs 3 shards on a local cluster of 3 primaries, and the TTFT a job adds through a cluster
+   over a single node.
 
-    python -m bench.redis_capacity [--quick] [--model DIR]
+    python -m bench.redis_capacity [--quick] [--no-cluster] [--model DIR]
 
 Writes bench/results/redis_capacity-<stamp>.json (and -latest) and prints the sizing table.
 """
@@ -27,10 +28,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import math
-import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,8 +43,10 @@ from pathlib import Path
 
 import redis
 
+from bench import redis_cluster
 from bench.common import write_result
 from bench.queue import _default_model, _prompts, _wait_ready, start_worker
+from bench.redis_server import BENCH_KEYS, benchmark_argv, emit_like, start_redis
 from worker.protocol import TERMINAL_EVENT_TYPES, JobRequest, Keys, enqueue_jobs, new_job_id
 
 FLEETS = (10, 100, 1000)
@@ -61,32 +65,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-job", type=int, default=256, help="output tokens of a typical job")
     p.add_argument("--headroom", type=float, default=0.5, help="share of a node's measured ops/s to plan for")
     p.add_argument("--requests", type=int, default=None, help="redis-benchmark requests per command (default 200k)")
+    p.add_argument("--no-cluster", action="store_true", help="skip the cluster part (bench.redis_cluster)")
     args = p.parse_args(argv)
     args.jobs = args.jobs or (8 if args.quick else 32)
     args.requests = args.requests or (50_000 if args.quick else 200_000)
     return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(directory: Path) -> tuple[subprocess.Popen, int]:
-    """A private redis-server without persistence: its counters hold this benchmark's commands only."""
-    port = _free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, port
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def _counters(client: redis.Redis) -> dict:
@@ -152,21 +135,9 @@ def solve_costs(short: dict, long: dict, idle: dict) -> dict:
     return costs
 
 
-# The token path's server work per event, as lua.EMIT does it on its common path: one script call
-# that checks the job hash, appends to the job's event stream and publishes on its channel.
-EMIT_LIKE = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', '1000', '*', 'seq', '1', 'type', 'token', 'data', ARGV[1])
-redis.call('PUBLISH', KEYS[2], ARGV[1])
-return 1
-"""
-BENCH_KEYS = 1000  # job hashes the benchmark's random key names fall on
-
-
 def _benchmark(port: int, requests: int, command: list[str]) -> float:
-    """Requests/s of one command from redis-benchmark, 16 connections, pipelined 16 deep."""
-    out = subprocess.run(["redis-benchmark", "-p", str(port), "-n", str(requests), "-c", "16", "-P", "16",
-                          "-r", str(BENCH_KEYS), "--csv", *command], capture_output=True, text=True, check=True).stdout
+    """Requests/s of one command from redis-benchmark."""
+    out = subprocess.run(benchmark_argv(port, requests, command), capture_output=True, text=True, check=True).stdout
     return float(list(csv.reader(io.StringIO(out)))[-1][1])  # a header row, then "test","rps",...
 
 
@@ -177,7 +148,7 @@ def node_ops_per_s(port: int, requests: int, event_bytes: int) -> dict:
     for i in range(BENCH_KEYS):  # redis-benchmark writes __rand_int__ as 12 digits
         pipe.hset(f"bench:job:{i:012d}", "state", "running")
     pipe.execute()
-    sha = client.script_load(EMIT_LIKE)
+    sha = client.script_load(emit_like("PUBLISH"))
     payload = "x" * max(1, event_bytes)
     events = _benchmark(port, requests, ["EVALSHA", sha, "2", "bench:job:__rand_int__:events",
                                          "bench:job:__rand_int__", payload])
@@ -203,8 +174,14 @@ def shards_needed(costs: dict, node: dict, gpus: int, gpu_tokens_per_s: float, t
     }
 
 
+def _progress(started: float, line: str) -> None:
+    print(f"[{time.monotonic() - started:4.0f} s] {line}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    started = time.monotonic()
+    progress = functools.partial(_progress, started)
     model = Path(args.model) if args.model else _default_model(quick=True)
     scratch = Path(tempfile.mkdtemp(prefix="ferry-redis-capacity-"))
     server, port = start_redis(scratch)
@@ -215,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     log = scratch / "worker.log"
     worker = start_worker(model, url, prefix, args.jobs, 1, log)
     try:
+        progress(f"node: starting a worker on a private redis-server (:{port})")
         _wait_ready(client, keys, f"bench-{prefix[-6:]}", worker, log)
+        progress(f"node: cost of {args.jobs}-job batches, {args.short_tokens} vs {args.long_tokens} tokens")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         run_batch(client, keys, _prompts(args.jobs, 16, vocab, seed=0), 2)  # warm-up, unmeasured
         idle = idle_rate(client)
@@ -225,12 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         # Token events: the EMIT script calls beyond the per-job ones (one per job per step).
         costs["events_per_token"] = (long["commands"].get("evalsha", 0) - short["commands"].get("evalsha", 0)) / (
             long["tokens"] - short["tokens"])
+        progress(f"node: redis-benchmark, {args.requests} requests per command")
         node = node_ops_per_s(port, args.requests, int(costs["bytes_per_token"] / max(costs["events_per_token"], 1e-9)))
     finally:
         worker.terminate()
         worker.wait(60)
         server.terminate()
         server.wait(30)
+    shutil.rmtree(scratch, ignore_errors=True)  # the worker's log: kept when a batch failed
+    cluster = None if args.no_cluster else redis_cluster.run(
+        model, quick=args.quick, event_bytes=node["event_bytes"], token_requests=args.requests, progress=progress)
     fleet = [shards_needed(costs, node, g, args.gpu_tokens_per_s, args.tokens_per_job, args.headroom)
              for g in FLEETS]
     payload = {
@@ -238,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         "idle": idle, "batches": {"short": short, "long": long}, "costs": costs, "node_ops_per_s": node,
         "sizing": {"gpu_tokens_per_s": args.gpu_tokens_per_s, "tokens_per_job": args.tokens_per_job,
                    "headroom": args.headroom, "fleets": fleet},
-        "cluster": None,  # 1 vs 3 shards and added TTFT: with worker/tools/local_cluster.py (issue 22)
+        "cluster": cluster,  # None with --no-cluster
+        "seconds": time.monotonic() - started,
     }
     path = write_result("redis_capacity", payload)
     print(f"per job: {costs['commands_per_job']:.1f} commands, {costs['bytes_per_job']:.0f} bytes; "
@@ -249,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.headroom:.0%} of a node)")
     for row in fleet:
         print(f"{row['gpus']:>6} {row['commands_per_s']:>12.0f} {row['bytes_per_s'] / 1e6:>8.1f} {row['shards']:>7}")
+    for line in redis_cluster.report_lines(cluster) if cluster else []:
+        print(line)
+    print(f"took {payload['seconds']:.0f} s")
     print(f"-> {path}")
     return 0
 
