@@ -52,13 +52,16 @@ from api.files import Upload, get_record, store_upload
 from api.joblist import index_job
 from api.ratelimit import RateLimited, admit, estimate_tokens
 from api.services import Services, cancel_job
-from worker.protocol import JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id_for
+from worker.protocol import TERMINAL_STATES, JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id_for
+from worker.protocol.codec import text
 from worker.protocol.objectstore import ObjectStore
 
 log = logging.getLogger("ferry.api.batches")
 
 _RENEW_EVERY_LINES = 512  # validation renews the lease this often (a large file takes a while)
-_BUSY_PAUSE_S = 0.01  # between two ticks that both moved lines
+# Between two ticks that both moved lines. Each tick reads the state of every line in flight (up
+# to batch_backlog): 50 ms keeps that a few thousand commands/s, and a backlog lasts far longer.
+_BUSY_PAUSE_S = 0.05
 
 
 class Fenced(Exception):
@@ -290,21 +293,32 @@ class BatchDriver:
         return reader.cursor
 
     async def _finished(self, inflight: dict, cancel: bool) -> dict[int, JobRecord]:
+        """The in-flight lines whose jobs ended, with their records. Each tick looks at every line
+        in flight (up to `batch_backlog`), so it reads only the state first and the whole record
+        (its request and result, parsed) only of the jobs that ended: the driver shares its event
+        loop and Redis with live traffic."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id, _, _ in inflight.values():
-            pipe.hgetall(self.keys.job(job_id))
+            pipe.hmget(self.keys.job(job_id), "state", "cancel")
+        ended: list[int] = []
+        for number, (state, cancelled) in zip(inflight, await pipe.execute(), strict=True):
+            if state is None:
+                continue  # not yet visible, or lost with a Redis restart: the job's TTL ends it
+            if text(state) in TERMINAL_STATES:
+                ended.append(number)
+            elif cancel and text(cancelled or "") != "1":
+                await cancel_job(self.svc, inflight[number][0])
+        pipe = self.redis.pipeline(transaction=False)
+        for number in ended:
+            pipe.hgetall(self.keys.job(inflight[number][0]))
         finished: dict[int, JobRecord] = {}
-        for number, fields in zip(inflight, await pipe.execute(), strict=True):
+        for number, fields in zip(ended, await pipe.execute() if ended else [], strict=True):
             try:
                 record = JobRecord.from_redis(fields)
             except UnreadableRecord:
                 record = None
-            if record is None:
-                continue  # not yet visible, or lost with a Redis restart: the job's TTL ends it
-            if record.terminal:
+            if record is not None and record.terminal:
                 finished[number] = record
-            elif cancel and not record.cancel:
-                await cancel_job(self.svc, record.id)
         return finished
 
     async def _unanswered(self, raw: dict, cursor: int) -> list[str]:
