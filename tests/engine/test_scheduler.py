@@ -230,6 +230,19 @@ def test_background_sits_out_every_chunk_of_a_long_foreground_prompt_and_no_step
     assert _plan(sched.schedule()) == [("live", 1), ("batch", 1), ("long", 1)]
 
 
+def test_a_step_the_background_stands_aside_for_does_not_wait_for_arrivals():
+    """The worker waits for announced jobs only while the next step could take them: background
+    arrivals (a batch's next lines) cannot join a step that prefills a foreground prompt."""
+    sched = Scheduler(KVCacheManager(32, 4, False), 8, 32, background_priority=2)
+    sched.add(make_request("b0", 3, priority=2))
+    _advance(sched, sched.schedule())
+    assert not sched.next_step_is_full()  # one decode: arrivals could still join it
+    sched.add(make_request("live", 4, priority=1))
+    assert sched.next_step_is_full()
+    _advance(sched, sched.schedule())
+    assert not sched.next_step_is_full()  # prefilled: every request decodes, room for more
+
+
 def test_without_a_background_priority_every_running_request_decodes():
     sched = _scheduler()
     sched.add(make_request("batch", 3, priority=2))

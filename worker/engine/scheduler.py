@@ -96,8 +96,11 @@ class Scheduler:
         cap), so waiting for more arrivals could not add anything to it. A waiting prompt counts
         the tokens its prefix-cache hit leaves to compute (a burst of cached prompts is a small
         step, which later arrivals can still join); a short pool could shrink it further, so it
-        may call a step full that is not, and the caller then merely steps without waiting."""
-        if len(self.requests) >= self.max_num_seqs:
+        may call a step full that is not, and the caller then merely steps without waiting.
+        A step the background stands aside for is full too: what arrives meanwhile is most often
+        background work (a batch's next lines), which could not join it, and waiting for it
+        would hold the foreground prompt's first token back."""
+        if len(self.requests) >= self.max_num_seqs or self._background_stands_aside():
             return True
         wanted = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
         for r in self.waiting:
