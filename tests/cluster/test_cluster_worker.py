@@ -24,7 +24,7 @@ from tests.serve.conftest import (
     wait_ready,
     wait_terminal,
 )
-from worker.protocol import ErrorCode, JobRecord, JobState, Keys, cancel_job, new_job_id
+from worker.protocol import ErrorCode, JobRecord, JobState, Keys, cancel_job, enqueue_job, new_job_id
 from worker.protocol.connect import connect
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
@@ -59,8 +59,9 @@ def _check_completed(client, keys, job_ids: list[str], max_tokens: int) -> None:
 
 def test_jobs_in_every_shard_run_and_stream_every_event(fleet):
     client, keys, _ = fleet
-    ids = [enqueue(client, keys, prompt=f"shard {i}: the quick brown fox", max_tokens=12) for i in range(9)]
-    assert {keys.shard_of(j) for j in ids} == set(range(SHARDS))
+    ids = [enqueue_job(client, keys, greedy(prompt=f"shard {i}: the quick brown fox", max_tokens=12),
+                       job_id=new_job_id(shard=i % SHARDS)).job_id for i in range(9)]
+    assert {keys.shard_of(j) for j in ids} == set(range(SHARDS))  # three jobs in each shard
     _check_completed(client, keys, ids, 12)
     assert sum(client.xlen(q) for q in keys.queues("tiny")) == 0  # every entry ACKed and deleted
 

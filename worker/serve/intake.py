@@ -124,16 +124,16 @@ class Consumer:
             out += self._read_by_priority(free - len(out), lanes)
         if out or block_ms <= 0:
             return out
-        if self._watch is None:
-            out = self._xreadgroup(dict.fromkeys(self.shard_streams[0][:lanes], ">"), count=1, block=block_ms)
-        else:
-            out = self._watch.wait(lanes, block_ms, free)
-            free = room - self.in_flight
+        if self._watch is not None:
+            # Straight back with what woke it: reading the rest of a burst here would cost a read
+            # per shard and lane before the first job starts; the next call reads it at once.
+            return self._in_read_order(self._watch.wait(lanes, block_ms, free))
+        out = self._xreadgroup(dict.fromkeys(self.shard_streams[0][:lanes], ">"), count=1, block=block_ms)
         # Whatever else arrived with it, then the lot in priority order. A client's batch can reach
         # Redis in several reads (its pipeline is processed in chunks, and the blocked read is
         # served after the first), so read until nothing more comes: jobs sent together then
         # share their first step instead of the rest waiting a whole step behind the first few.
-        while len(out) < free:  # at least once: a read in flight may have held back the room for it
+        while out and len(out) < free:
             more = self._read_by_priority(free - len(out), lanes)
             if not more:
                 break
