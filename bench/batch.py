@@ -21,19 +21,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import itertools
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
 
 from bench.api import MODEL_NAME, WORDS, _default_model, start_stack
 from bench.common import percentiles, write_result
 from bench.plots import plot_batch
+from worker.protocol import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,8 +114,17 @@ async def wait_batch(client: httpx.AsyncClient, batch_id: str, started: float) -
         await asyncio.sleep(0.1)
 
 
+@dataclass(slots=True)
+class LiveRequest:
+    """One live streamed request: its TTFT, and when (unix s) it was sent and its first token came."""
+    ttft_ms: float
+    job_id: str
+    sent_at: float
+    received_at: float
+
+
 async def live_ttfts(client: httpx.AsyncClient, prompts: list[str], gap_s: float,
-                     while_batch: str | None = None) -> list[float]:
+                     while_batch: str | None = None) -> list[LiveRequest]:
     """TTFTs of the prompts sent one every `gap_s`; with `while_batch`, only those sent while that
     batch was still running (sending stops when it finishes)."""
 
@@ -119,13 +132,15 @@ async def live_ttfts(client: httpx.AsyncClient, prompts: list[str], gap_s: float
         status = (await client.get(f"/v1/batches/{while_batch}")).json()["status"]
         return status in ("validating", "in_progress")
 
-    async def one(prompt: str) -> float:
-        sent = time.perf_counter()
+    async def one(prompt: str) -> LiveRequest:
+        sent, sent_at = time.perf_counter(), time.time()
         async with client.stream("POST", "/v1/chat/completions", json=_body(prompt, 8) | {"stream": True}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                    return (time.perf_counter() - sent) * 1000
-        return float("nan")
+                    ttft_ms, received_at = (time.perf_counter() - sent) * 1000, time.time()
+                    job_id = json.loads(line.removeprefix("data: "))["id"].removeprefix("chatcmpl-")
+                    return LiveRequest(ttft_ms, job_id, sent_at, received_at)
+        raise RuntimeError("a live request streamed no content")
 
     tasks = []
     for prompt in prompts:
@@ -136,7 +151,7 @@ async def live_ttfts(client: httpx.AsyncClient, prompts: list[str], gap_s: float
     return list(await asyncio.gather(*tasks))
 
 
-async def run(url: str, args: argparse.Namespace) -> dict:
+async def run(url: str, prefix: str, args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.lines)]
     live = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.live)]
@@ -150,7 +165,30 @@ async def run(url: str, args: argparse.Namespace) -> dict:
         loaded = await live_ttfts(client, live, args.live_gap_s, while_batch=batch_id)
         await wait_batch(client, batch_id, started)
     return {"jobs_wall_s": jobs_s, "batch_wall_s": batch_s, "batch": batch["request_counts"],
-            "ttft_idle_ms": idle, "ttft_with_batch_ms": loaded}
+            "ttft_idle_ms": [r.ttft_ms for r in idle], "ttft_with_batch_ms": [r.ttft_ms for r in loaded],
+            "stages_idle_ms": ttft_stages(idle, args.redis_url, prefix),
+            "stages_with_batch_ms": ttft_stages(loaded, args.redis_url, prefix)}
+
+
+STAGES = ("accept", "queue", "engine", "delivery")
+
+
+def ttft_stages(requests: list[LiveRequest], redis_url: str, prefix: str) -> dict[str, float | None]:
+    """Where a live TTFT goes, p50 per stage in ms, from the job hash's timestamps (one clock: all
+    processes run here): accept = sent -> the API accepted it (created_at), queue = -> a worker
+    started it, engine = -> its first token was written, delivery = -> the client had it."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys(prefix)
+    stages: dict[str, list[float]] = {name: [] for name in STAGES}
+    for r in requests:
+        created, started, first = client.hmget(keys.job(r.job_id), "created_at", "started_at", "first_token_at")
+        if None in (created, started, first):
+            continue
+        marks = [r.sent_at, float(created), float(started), float(first), r.received_at]
+        for name, (a, b) in zip(STAGES, itertools.pairwise(marks), strict=True):
+            stages[name].append(1000 * (b - a))
+    client.close()
+    return {name: percentiles(values)["p50"] for name, values in stages.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["FERRY_FILES_URL"] = Path(tempfile.mkdtemp(prefix="ferry-bench-files-")).as_uri()
     stack = start_stack(model, args)
     try:
-        raw = asyncio.run(run(stack.url, args))
+        raw = asyncio.run(run(stack.url, stack.prefix, args))
     finally:
         stack.stop(args.redis_url)
     idle, loaded = percentiles(raw["ttft_idle_ms"]), percentiles(raw["ttft_with_batch_ms"])
@@ -175,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.lines} lines x {args.max_tokens} tokens: jobs {raw['jobs_wall_s']:.1f} s, batch "
           f"{raw['batch_wall_s']:.1f} s ({result['batch_over_jobs']}x; target <= 1.1)\n"
           f"live TTFT p50 {idle['p50']:.0f} ms idle, {loaded['p50']:.0f} ms with a batch running "
-          f"({result['ttft_p50_ratio']}x; target <= 1.3) -> {path}")
+          f"({result['ttft_p50_ratio']}x; target <= 1.3)")
+    for phase in ("idle", "with_batch"):
+        stages = raw[f"stages_{phase}_ms"]
+        print(f"  {phase:>10}: " + ", ".join(f"{name} {stages[name] or 0:.1f}" for name in STAGES) + " ms (p50)")
+    print(f"-> {path}")
     return 0
 
 
