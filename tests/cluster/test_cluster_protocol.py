@@ -77,7 +77,11 @@ def test_a_worker_reads_high_before_normal_before_low_across_shards(cclient, cke
     assert sorted(taken[:2]) == ["j-high-s0", "j-high-s2"] and taken[2] == "j-normal-s1"
     rest = [d.fields["job_id"] for d in consumer.read(room=5, block_ms=0)]
     assert sorted(rest) == ["j-low-s0", "j-low-s2"]
-    assert consumer.read(room=5, block_ms=300) == []  # blocks on the shards in turn, then gives up
+    assert consumer.read(room=5, block_ms=300) == []  # blocks on every shard, then gives up
+    deadline = time.monotonic() + 10
+    while consumer.in_flight and time.monotonic() < deadline:  # the other blocked reads end too
+        assert consumer.read(room=5, block_ms=0) == []
+        time.sleep(0.05)
     cclient.xadd(ckeys.queue("tiny", "normal", 1), {"job_id": "late-s1", "attempt": "1"})
     assert [d.fields["job_id"] for d in consumer.read(room=1, block_ms=300)] == ["late-s1"]
 
@@ -110,6 +114,14 @@ def test_an_idle_worker_blocks_on_every_shard_at_once_and_keeps_room_for_its_rea
     cclient.xadd(ckeys.queue("tiny", "high", 2), {"job_id": "queued-s2", "attempt": "1"})
     assert consumer.read(room=2, block_ms=0) == []
     assert _job_ids(consumer.read(room=3, block_ms=0)) == ["queued-s2"]
+    # Room for one more than the reads in flight: the shard without a read gets one, and wakes it.
+    got.clear()
+    reader = threading.Thread(target=lambda: got.append(consumer.read(room=3, block_ms=8000)))
+    reader.start()
+    time.sleep(0.5)
+    cclient.xadd(ckeys.queue("tiny", "normal", 2), {"job_id": "again-s2", "attempt": "1"})
+    reader.join(20)
+    assert _job_ids(got[0]) == ["again-s2"] and consumer.in_flight == 2
     # An entry a read in flight claims comes with the next read, or from settle (a drain).
     cclient.xadd(ckeys.queue("tiny", "low", 0), {"job_id": "during-s0", "attempt": "1"})
     deadline = time.monotonic() + 10

@@ -59,15 +59,18 @@ class ShardWatch:
         return out
 
     def wait(self, lanes: int, block_ms: int, room: int) -> list[Delivery]:
-        """Start a read (of the first `lanes` priorities) on each shard without one, as long as
-        the reads in flight stay within `room`; then wait up to `block_ms` until any read
-        finishes. Returns what finished reads delivered (often nothing: a read timed out)."""
+        """Start a read (of the first `lanes` priorities) on each shard without one, at most `room`
+        new ones (the room left besides the reads already in flight); then wait up to `block_ms`
+        until any read finishes. Returns what finished reads delivered (often nothing: a read
+        timed out)."""
+        started = 0
         for i in range(self.shards):
             shard = (self._next_shard + i) % self.shards
-            if len(self._reads) >= room:
+            if started >= room:
                 break
             if shard not in self._reads:
                 self._reads[shard] = self._pool.submit(self._read_shard, shard, lanes, block_ms)
+                started += 1
         self._next_shard = (self._next_shard + 1) % self.shards
         if self._reads:
             wait(list(self._reads.values()), timeout=block_ms / 1000, return_when=FIRST_COMPLETED)
