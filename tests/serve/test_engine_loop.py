@@ -3,6 +3,7 @@ them, and the writes it hands the publisher collected as they come (no Redis).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import time
@@ -171,3 +172,61 @@ def test_bad_jobs_fail_alone_with_a_stable_code(loop):
     ok = until_finished(loop, "ok")
     assert events(ok)[-1].type == "completed"
 
+
+
+@pytest.fixture(scope="module")
+def lane_engine(llama_dir):
+    from worker.protocol import ENGINE_PRIORITY, Priority
+
+    return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256,
+                  background_priority=ENGINE_PRIORITY[Priority.low])
+
+
+@pytest.fixture
+def lane_loop(lane_engine):
+    writes: queue.SimpleQueue = queue.SimpleQueue()
+    runner = EngineLoop(lane_engine, "w1", WorkerMetrics(), lambda batch: [writes.put(w) for w in batch])
+    runner.thread.start()
+    runner.writes = writes
+    yield runner
+    runner.stop.set()
+    runner.thread.join(10)
+    assert not lane_engine.has_unfinished_requests()
+
+
+def test_a_background_job_hands_its_tokens_over_in_groups_and_keeps_every_one(lane_loop, llama_dir):
+    from worker.serve.engine_loop import _BACKGROUND_FLUSH_EVENTS as GROUP
+
+    lane_loop.start([job("bg", max_tokens=20, priority="low")], arrived=1)
+    writes = until_finished(lane_loop, "bg")
+    assert all(w.background for w in writes)
+    first, *middle, final = writes
+    assert len(first.events) == 1 and first.first_token_at is not None  # the first token goes at once
+    assert middle and all(len(w.events) == GROUP for w in middle)
+    evs = events(writes)
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1)) and evs[-1].type == "completed"
+    tokens = [t for e in evs if e.type == "token" for t in e.token_ids]
+    assert tokens == list(reference(llama_dir, max_tokens=20).token_ids)
+
+
+def test_background_jobs_arriving_with_a_live_one_all_run_and_a_live_job_is_never_grouped(lane_loop, llama_dir):
+    lane_loop.start([job("live"), job("bg1", priority="low"), job("bg2", priority="low")], arrived=3)
+    expected = list(reference(llama_dir).token_ids)
+    by_job: dict[str, list] = {"live": [], "bg1": [], "bg2": []}
+    deadline = time.monotonic() + 30
+    while not all(w and isinstance(w[-1], Finish) for w in by_job.values()) and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            write = lane_loop.writes.get(timeout=0.1)
+            by_job[write.job_id].append(write)
+    for job_id, writes in by_job.items():
+        assert [t for e in events(writes) if e.type == "token" for t in e.token_ids] == expected
+        if job_id == "live":
+            assert not any(w.background for w in writes)
+            assert all(len(w.events) == 1 for w in writes[:-1])  # a token per step, each at once
+
+
+def test_hand_back_all_returns_background_jobs_still_waiting_to_be_admitted(lane_loop):
+    lane_loop.start([job("live2", max_tokens=200), job("bg3", priority="low", max_tokens=200)], arrived=2)
+    lane_loop.hand_back_all()
+    ends = {job_id: until_finished(lane_loop, job_id)[-1] for job_id in ("live2", "bg3")}
+    assert all(isinstance(w, HandBack) for w in ends.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -20,7 +21,7 @@ from worker.protocol import (
     event_from_fields,
 )
 from worker.serve.intake import Consumer
-from worker.serve.publisher import Publisher
+from worker.serve.publisher import Publisher, PublisherThread
 from worker.serve.settings import WorkerSettings
 from worker.serve.writes import HandBack, Lost, Progress, finish
 
@@ -174,3 +175,25 @@ def test_renew_keeps_the_lease_and_reports_a_reclaimed_entry(env):
     assert taken.entry_id == job.delivery.entry_id and taken.reclaimed
     client.hset(keys.job(job.job_id), "cancel", "1")
     assert consumer.renew([(job.job_id, job.delivery)]) == ({job.job_id}, {job.job_id})
+
+
+def test_the_publisher_writes_foreground_jobs_before_the_background_lane_of_the_same_round_trip(env):
+    client, keys, _ = env
+    _, live = _take_one(env)
+    _, batch = _take_one(env, "w2")
+    listener = client.pubsub(ignore_subscribe_messages=True)
+    listener.psubscribe(f"{keys.prefix}:job:*")
+    listener.get_message(timeout=1.0)
+    thread = PublisherThread(Publisher(client, keys, "m", "w1", result_ttl_s=60), lambda *_: None,
+                             threading.Event(), max_delay_s=1.0)
+    token = TokenEvent(seq=1, text="a", token_ids=[5])
+    # Submitted before the thread runs, so both go in one batch, the background job's first.
+    thread.submit([Progress(batch.job_id, [token], background=True), Progress(live.job_id, [token])])
+    thread.thread.start()
+    assert thread.flush(10)
+    order = []
+    while (message := listener.get_message(timeout=2.0)) is not None:
+        order.append(message["channel"].rsplit(":", 1)[1])
+    thread.stop.set()
+    listener.close()
+    assert order == [live.job_id, batch.job_id]

@@ -14,6 +14,14 @@ the whole burst to be prepared).
 A re-delivered job is admitted with the tokens and text the client already has as the engine
 request's `Resume`: the engine continues exactly where the first attempt stopped and releases
 only new text.
+
+Background jobs (the engine's `background_priority` lane: the Batch API's lines) give way to the
+others on this side of the engine too, as the scheduler does inside it: jobs of theirs that
+arrive with foreground ones are admitted after the next step (their prompts could not join a
+step that prefills a foreground one, and tokenizing them would hold it back); their tokens are
+handed over every `_BACKGROUND_FLUSH_EVENTS` events instead of every step (nobody is waiting on
+each; their stream still gets every event, in order, and a resumed job loses at most that many
+tokens of work); and the publisher writes them after the foreground jobs' writes.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ log = logging.getLogger("ferry.worker.engine")
 
 _STATS_INTERVAL_S = 0.25  # how often the engine's stats are copied out for /metrics and the heartbeat
 _ARRIVAL_WAIT_S = 0.02  # longest wait for announced jobs before stepping without them
+_BACKGROUND_FLUSH_EVENTS = 8  # a background job's events are handed over in groups of this many
 _IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its timers
 
 
@@ -97,8 +106,9 @@ class _Run:
     text: list[str]  # every released text piece, earlier attempts included
     first_token_at: float | None
     cached_tokens: int = 0
-    pending: list = field(default_factory=list)  # events of this step not yet handed over
+    pending: list = field(default_factory=list)  # events not handed over yet (a background job's: a few steps')
     tools: ToolCallParser | None = None  # a chat that may call tools: reads the calls out of its text
+    background: bool = False  # in the engine's background lane (a batch's line): see the module docstring
 
     def seq(self) -> int:
         self.next_seq += 1
@@ -122,6 +132,7 @@ class EngineLoop:
         self.fatal: RankFailedError | None = None  # set once the engine can no longer step (the worker exits)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._arriving = 0  # jobs announced by the intake and not yet started or settled
+        self._deferred: list[JobStart] = []  # background jobs that arrived with foreground ones: admitted after a step
         self._arriving_lock = threading.Lock()
         self._stats_at = 0.0
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -158,7 +169,7 @@ class EngineLoop:
 
     def _loop(self) -> None:
         while not self.stop.is_set():
-            writes: list[JobWrite] = []
+            writes: list[JobWrite] = self._admit_deferred()
             self._take_commands(writes, _IDLE_POLL_S if not self.engine.has_unfinished_requests() else None)
             self._await_arrivals(writes)
             self._expire(writes)
@@ -191,16 +202,23 @@ class EngineLoop:
             command = self._inbox.get(timeout=wait_s) if wait_s is not None else self._inbox.get_nowait()
         except queue.Empty:
             return
+        foreground = False  # a foreground job was admitted in this round: background ones wait a step
         while True:
             if isinstance(command, Start):
                 for job in command.jobs:
+                    if self._background(job) and (foreground or self._deferred):
+                        self._deferred.append(job)
+                        continue
+                    foreground |= not self._background(job)
                     writes += self._admit(job)
                 if command.arrived:
                     with self._arriving_lock:
                         self._arriving -= command.arrived
             elif isinstance(command, Abort):
+                writes += self._admit_deferred()  # the job to stop may be among them
                 writes += self._abort(command)
             else:
+                writes += self._admit_deferred()
                 writes += self._hand_back()
             try:
                 command = self._inbox.get_nowait()
@@ -228,11 +246,22 @@ class EngineLoop:
 
     # --- admitting ---------------------------------------------------------------------------------
 
+    def _background(self, job: JobStart) -> bool:
+        lane = self.engine.config.background_priority
+        return lane is not None and ENGINE_PRIORITY[job.request.priority] >= lane
+
+    def _admit_deferred(self) -> list[JobWrite]:
+        writes: list[JobWrite] = []
+        deferred, self._deferred = self._deferred, []
+        for job in deferred:
+            writes += self._admit(job)
+        return writes
+
     def _admit(self, job: JobStart) -> list[JobWrite]:
         req = job.request
         resumed = job.streamed.token_ids
         run = _Run(job, 0, job.streamed.next_seq, list(resumed), [job.streamed.text] if job.streamed.text else [],
-                   job.first_token_at)
+                   job.first_token_at, background=self._background(job))
         self.runs[job.job_id] = run
         try:
             prompt_ids = self._prompt_ids(req)
@@ -312,10 +341,12 @@ class EngineLoop:
             detail = f": {out.stop_reason}" if out.finish_reason == "error" else ""
             message = f"engine ended the request ({out.finish_reason}{detail})"
             return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, message)
+        if run.background and first_token_at is None and len(run.pending) < _BACKGROUND_FLUSH_EVENTS:
+            return None  # handed over with the next few, or with the job's end
         events, run.pending = run.pending, []
         if not events and first_token_at is None:
             return None
-        return Progress(job.job_id, events, first_token_at)
+        return Progress(job.job_id, events, first_token_at, background=run.background)
 
     # --- endings --------------------------------------------------------------------------------------
 
@@ -359,7 +390,9 @@ class EngineLoop:
                 result |= {"content": run.tools.content,
                            "tool_calls": json.dumps([c.model_dump() for c in run.tools.calls])}
         events, run.pending = run.pending, []
-        return finish(job.job_id, job.delivery, event, self.worker_id, result, events_before=events)
+        write = finish(job.job_id, job.delivery, event, self.worker_id, result, events_before=events)
+        write.background = run.background
+        return write
 
     def _abort(self, command: Abort) -> list[JobWrite]:
         run = self.runs.get(command.job_id)

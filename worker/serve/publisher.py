@@ -169,9 +169,19 @@ class PublisherThread:
                 except queue.Empty:
                     break
                 taken += 1
+            # Foreground jobs' writes go in a round trip of their own, ahead of the background
+            # lane's (a batch's dozens of jobs): a live job's first token does not wait for them.
+            # Every write of a background job stays in its part, in order (a job's seqs must not
+            # be overtaken by its own later events).
+            background_jobs = {w.job_id for w in batch if isinstance(w, Progress | Finish) and w.background}
+            background = [w for w in batch if getattr(w, "job_id", None) in background_jobs]
+            foreground = [w for w in batch if getattr(w, "job_id", None) not in background_jobs]
+            lost: dict[str, Lost] = {}
             try:
-                lost = call_with_backoff(lambda b=batch: self.publisher.write(b), what="publish", stop=self.stop,
-                                         max_delay_s=self.max_delay_s)
+                for part in (foreground, background):
+                    if part:
+                        lost |= call_with_backoff(lambda p=part: self.publisher.write(p), what="publish",
+                                                  stop=self.stop, max_delay_s=self.max_delay_s)
             except Stopped:
                 return
             self.on_written(batch, lost)

@@ -36,6 +36,7 @@ class Progress:
     job_id: str
     events: list[BaseModel]  # protocol events with consecutive seqs
     first_token_at: float | None = None  # set once on the job hash (HSETNX), survives retries
+    background: bool = False  # a background-lane job's: written after the others of its round trip
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class Finish:
     events: list[BaseModel]  # the job's last events, ending with its terminal event
     result: dict[str, str]  # job hash fields: state, finished_at, the result or the error
     dead_letter: dict[str, str] | None = None  # an entry for {p}:dlq
+    background: bool = False  # a background-lane job's: written after the others of its round trip
 
     @property
     def state(self) -> str:
