@@ -116,7 +116,12 @@ def test_failover_gives_503_not_500_and_every_accepted_job_completes(capi, local
     assert 500 not in statuses and 503 in statuses, statuses
     assert statuses[-5:] == [202] * 5  # recovered by itself
     for job_id in accepted:
-        job = wait_done(api, job_id, timeout=120)
+        try:
+            job = wait_done(api, job_id, timeout=120)
+        except TimeoutError as exc:
+            for proc in procs:
+                proc.check_alive()  # a worker that crashed says why
+            raise AssertionError(f"{exc}\nworker log:\n{procs[0].log()[-6000:]}") from exc
         assert job["status"] == "succeeded", job
         events = all_events(api, job_id)
         assert [e["data"]["seq"] for e in events] == list(range(len(events)))  # none lost, none twice

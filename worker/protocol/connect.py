@@ -30,13 +30,24 @@ from pydantic_settings import BaseSettings
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import ClusterDownError, MasterDownError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from worker.protocol.keys import MAX_SHARDS
 
+# What a caller retries (the worker) or answers with 503 (the API): the store is away for now. On a
+# cluster a failover can also end a command's own retries with a redirection it could not follow
+# (AskError, MovedError: the slot map was stale every time) or "TTL exhausted" (ClusterError): the
+# same outage, never a reason to crash a worker or answer 500.
 UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ReadOnlyError,
-               ClusterDownError, TryAgainError, SlotNotCoveredError, MasterDownError)
+               ClusterDownError, TryAgainError, SlotNotCoveredError, MasterDownError, ClusterError, AskError)
 
 _RETRIES = 6  # per command; with the backoff below, about 3 s: a failover with a 1-2 s node timeout fits
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.05, 1.0
