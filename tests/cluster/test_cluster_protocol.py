@@ -130,3 +130,29 @@ def test_an_idle_worker_blocks_on_every_shard_at_once_and_keeps_room_for_its_rea
     cclient.xadd(ckeys.queue("tiny", "low", 1), {"job_id": "during-s1", "attempt": "1"})
     assert sorted(_job_ids(consumer.settle(5.0))) == ["during-s0", "during-s1"]
     assert consumer.in_flight == 0
+
+
+def test_a_terminal_write_short_of_replicas_is_logged_without_holding_the_publisher(cclient, ckeys, caplog):
+    """Each primary has one replica: a check for two times out (3 s) and is logged, while the
+    publisher goes on at once (its WAIT runs on a thread of its own)."""
+    from worker.protocol import CompletedEvent, Timings, Usage
+    from worker.serve.intake import Consumer
+    from worker.serve.publisher import Publisher
+    from worker.serve.settings import WorkerSettings
+    from worker.serve.writes import finish
+
+    consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
+    consumer.ensure_groups()
+    enqueue_job(cclient, ckeys, greedy(model="tiny", prompt="hi", max_tokens=2))
+    [job], writes = consumer.prepare(consumer.read(room=4, block_ms=0))
+    assert writes == []
+    publisher = Publisher(cclient, ckeys, "tiny", "w-1", result_ttl_s=60, min_replicas=2, replica_timeout_ms=3000)
+    done = CompletedEvent(seq=1, finish_reason="length", usage=Usage(completion_tokens=2), timings=Timings())
+    started = time.monotonic()
+    assert publisher.write([finish(job.job_id, job.delivery, done, "w-1", {"text": "ab"})]) == {}
+    assert time.monotonic() - started < 2.0  # the 3 s WAIT is not on this thread
+    assert cclient.hget(ckeys.job(job.job_id), "state") == "succeeded"
+    deadline = time.monotonic() + 15
+    while "not replicated in time" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "terminal write not replicated in time" in caplog.text

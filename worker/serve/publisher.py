@@ -24,9 +24,10 @@ from collections.abc import Callable
 import redis
 
 from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
-from worker.protocol.connect import UNAVAILABLE, wait_replicated
+from worker.protocol.connect import UNAVAILABLE
 from worker.protocol.jobs import TERMINAL_STATES_ARG
 from worker.protocol.usage import account_jobs
+from worker.serve.replication_check import ReplicationCheck
 from worker.serve.retry import Stopped, call_with_backoff
 from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
 
@@ -39,7 +40,7 @@ class Publisher:
     def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, result_ttl_s: int,
                  min_replicas: int = 0, replica_timeout_ms: int = 1000) -> None:
         self.client = client
-        self.min_replicas = min_replicas  # terminal writes wait for this many replicas (WAIT), 0: not
+        self.min_replicas = min_replicas  # replicas terminal writes are checked against (WAIT), 0: not checked
         self.keys = keys
         self.model = model
         self.worker_id = worker_id
@@ -47,6 +48,7 @@ class Publisher:
         self.replica_timeout_ms = replica_timeout_ms
         self._emit = lua.register(client, lua.EMIT)
         self._hand_back = client.register_script(lua.HAND_BACK)
+        self._replication = ReplicationCheck(client, keys, min_replicas, replica_timeout_ms) if min_replicas else None
 
     def write(self, writes: list[JobWrite]) -> dict[str, Lost]:
         """One pipelined round trip for all `writes`; returns the jobs found no longer this worker's."""
@@ -81,26 +83,13 @@ class Publisher:
             elif job_id is not None and result in (0, -1):
                 lost[job_id] = Lost.TAKEN if result == 0 else Lost.RECORD_GONE
         ended = [w.job_id for w in writes if isinstance(w, Finish) and w.job_id not in lost]
-        if self.min_replicas:
-            self._wait_replicated(ended)
+        if self._replication is not None:
+            self._replication.submit(ended)
         try:
             account_jobs(self.client, self.keys, ended, self.result_ttl_s)
         except redis.RedisError as exc:  # the terminal writes stand; these jobs go uncounted
             log.warning("usage of %d ended job(s) not counted: %s", len(ended), exc)
         return lost
-
-    def _wait_replicated(self, finished: list[str]) -> None:
-        """WAIT on each shard that got a terminal write. Too few replicas is logged, not retried: the
-        write is on the primary, and holding the publisher back would stall every job of this worker."""
-        for job_id in {self.keys.shard_of(j): j for j in finished}.values():
-            try:
-                acks = wait_replicated(self.client, self.keys.ack(job_id), self.min_replicas, self.replica_timeout_ms)
-            except redis.ResponseError as exc:  # MOVED: the slot changed primary since the write (a failover)
-                log.warning("terminal write: no replica count", extra={"job_id": job_id, "error": str(exc)})
-                continue
-            if acks < self.min_replicas:
-                log.warning("terminal write not replicated in time",
-                            extra={"job_id": job_id, "replicas": acks, "required": self.min_replicas})
 
     def _add_emit(self, pipe, w: Progress | Finish | HandBack) -> None:
         keys = [self.keys.events(w.job_id), self.keys.job(w.job_id)]
