@@ -108,3 +108,14 @@ def test_code_passes_the_engine_config_nested(clean_env, tmp_path):
         engine={"model": str(tmp_path), "speculative": {"method": "ngram", "num_speculative_tokens": 2}}
     )
     assert settings.engine.speculative.num_speculative_tokens == 2 and settings.served_model_name == tmp_path.name
+
+
+def test_the_log_level_comes_from_ferry_log_level(clean_env, monkeypatch):
+    import logging
+
+    monkeypatch.setenv("FERRY_LOG_LEVEL", "warning")
+    settings = WorkerSettings()
+    assert settings.log_level == "WARNING" and logging.getLevelName(settings.log_level) == logging.WARNING
+    monkeypatch.setenv("FERRY_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="log_level"):
+        WorkerSettings()

@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = {k: given.pop(k) for k in ("model", "dtype", "max_num_seqs") if k in given}
     settings = WorkerSettings(**given, **({"engine": engine} if engine else {}))
     worker = Worker(settings)
-    jsonlog.configure(worker.worker_id)
+    jsonlog.configure(worker.worker_id, logging.getLevelName(settings.log_level))
     return worker.run()
 
 

@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import PydanticBaseSettingsSource, SettingsConfigDict
 
 from worker.engine.config import EngineConfig, SpeculativeConfig
@@ -89,6 +89,8 @@ class WorkerSettings(RedisTopology):
     heartbeat_ttl_s: float = 10.0
     torch_threads: int | None = None  # intra-op threads for the engine; default: torch's choice
     read_block_ms: int = 500  # longest blocking queue read: bounds how fast a drain stops pulling
+    # The JSON log's level (FERRY_LOG_LEVEL, as the API's): INFO writes a few lines per job
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     redis_backoff_max_s: float = 5.0  # reconnect backoff cap while Redis is unreachable
 
     # Delivery guarantees
@@ -105,6 +107,11 @@ class WorkerSettings(RedisTopology):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return init_settings, _EngineEnvironment(settings_cls), env_settings, dotenv_settings, file_secret_settings
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_capitals(cls, value):
+        return value.upper() if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod
