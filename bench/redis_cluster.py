@@ -28,10 +28,11 @@ real `redis-server --cluster-enabled yes` processes (`worker.tools.local_cluster
    (SSUBSCRIBE on the cluster) and wait for the confirmation, then t0, enqueue (`enqueue_jobs`:
    the API's script), t1 at the first `token` message; the job's terminal message before the next
    job. TTFT = t1 - t0; `intake_ms` is the `started` event's worker time - the enqueue's wall time
-   (the wait for a worker to take the job, which an idle worker's blocking read on another shard
-   lengthens). The first jobs of each round are warm-up. Both workers stay up; rounds alternate
-   node, cluster, node, cluster, so background load hits both alike. Target: the cluster's p50 at
-   most 1 ms above the node's.
+   (the wait for a worker to take the job; before `worker.serve.shard_watch`, an idle worker
+   blocked on one shard at a time and this was most of a cluster's added TTFT). The first jobs
+   of each round are warm-up. Both workers stay up; rounds alternate node, cluster, node,
+   cluster, so background load hits both alike. Target: the cluster's p50 at most 1 ms above
+   the node's.
 """
 
 from __future__ import annotations
@@ -65,9 +66,8 @@ SCALING_TARGET = 2.5  # ops/s with 3 primaries over 1
 TTFT_TARGET_MS = 1.0  # the cluster's added TTFT p50
 PROMPT_TOKENS = 16
 # Pause before each job of the TTFT rounds, drawn from [0, GAP_MS): the worker's default read block,
-# so a job arrives anywhere in an idle worker's cycle of blocking reads. Back to back, arrivals lock
-# to that cycle's phase: on a cluster each shard's jobs would then find the worker always blocked on
-# the same shard, the worst case for some shards and the best for others.
+# so a job arrives anywhere in an idle worker's cycle of blocking reads (back to back, arrivals would
+# lock to that cycle's phase and measure one point of it).
 GAP_MS = 500
 JOB_KEYSPACE = 1_000_000  # `__rand_int__` of a job id: (almost) every enqueue writes a hash of its own
 
