@@ -1,7 +1,8 @@
-"""Everything the worker writes about jobs, one pipelined round trip per batch.
+"""Everything the worker writes about jobs, in pipelined round trips.
 
 After each engine step the engine thread hands over the step's writes (`worker.serve.writes`);
-the publisher thread sends all pending writes in a single pipeline, one script call per job
+the publisher thread sends all pending writes in a single pipeline (two when they mix live jobs
+with the background lane's: the live ones go first), one script call per job
 (`worker.protocol.lua`): `EMIT` appends a job's events to `{p}:job:{s<n>}:{id}:events` (entry id
 `{seq}-1`), publishes each on `{p}:job:{s<n>}:{id}` (SPUBLISH on a cluster), and, when the job
 ends, writes the result into the job hash, sets the expiries and only then XACKs and XDELs the
