@@ -25,8 +25,8 @@ def engine(llama_dir):
     return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
 
 
-@pytest.fixture
-def loop(engine):
+def running_loop(engine):
+    """An engine loop on its thread, its writes collected in `.writes`; stopped (engine empty) after."""
     writes: queue.SimpleQueue = queue.SimpleQueue()
     runner = EngineLoop(engine, "w1", WorkerMetrics(), lambda batch: [writes.put(w) for w in batch])
     runner.thread.start()
@@ -35,6 +35,11 @@ def loop(engine):
     runner.stop.set()
     runner.thread.join(10)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture
+def loop(engine):
+    yield from running_loop(engine)
 
 
 def job(job_id: str, streamed: Streamed | None = None, timeout_s: float = 60.0, **fields) -> JobStart:
@@ -184,14 +189,7 @@ def lane_engine(llama_dir):
 
 @pytest.fixture
 def lane_loop(lane_engine):
-    writes: queue.SimpleQueue = queue.SimpleQueue()
-    runner = EngineLoop(lane_engine, "w1", WorkerMetrics(), lambda batch: [writes.put(w) for w in batch])
-    runner.thread.start()
-    runner.writes = writes
-    yield runner
-    runner.stop.set()
-    runner.thread.join(10)
-    assert not lane_engine.has_unfinished_requests()
+    yield from running_loop(lane_engine)
 
 
 def test_a_background_job_hands_its_tokens_over_in_groups_and_keeps_every_one(lane_loop, llama_dir):
