@@ -193,14 +193,15 @@ def lane_loop(lane_engine):
 
 
 def test_a_background_job_hands_its_tokens_over_in_groups_and_keeps_every_one(lane_loop, llama_dir):
-    from worker.serve.engine_loop import _BACKGROUND_FLUSH_EVENTS as GROUP
+    """Its tokens come as one event per group, seqs without gaps, and equal the reference's."""
+    from worker.serve.engine_loop import _BACKGROUND_FLUSH_TOKENS as GROUP
 
     lane_loop.start([job("bg", max_tokens=20, priority="low")], arrived=1)
     writes = until_finished(lane_loop, "bg")
     assert all(w.background for w in writes)
     first, *middle, final = writes
     assert len(first.events) == 1 and first.first_token_at is not None  # the first token goes at once
-    assert middle and all(len(w.events) == GROUP for w in middle)
+    assert middle and all(len(w.events) == 1 and len(w.events[0].token_ids) == GROUP for w in middle)  # one event each
     evs = events(writes)
     assert [e.seq for e in evs] == list(range(1, len(evs) + 1)) and evs[-1].type == "completed"
     tokens = [t for e in evs if e.type == "token" for t in e.token_ids]
@@ -228,3 +229,11 @@ def test_hand_back_all_returns_background_jobs_still_waiting_to_be_admitted(lane
     lane_loop.hand_back_all()
     ends = {job_id: until_finished(lane_loop, job_id)[-1] for job_id in ("live2", "bg3")}
     assert all(isinstance(w, HandBack) for w in ends.values())
+
+
+def test_a_background_jobs_joined_token_events_keep_a_logprob_per_token(lane_loop):
+    lane_loop.start([job("bgl", max_tokens=12, priority="low", logprobs=True, top_logprobs=2)], arrived=1)
+    tokens = [e for e in events(until_finished(lane_loop, "bgl")) if e.type == "token"]
+    assert len(tokens) < 12 and sum(len(e.token_ids) for e in tokens) == 12  # joined
+    for e in tokens:
+        assert [lp.token_id for lp in e.logprobs] == e.token_ids and all(len(lp.top) == 2 for lp in e.logprobs)

@@ -19,9 +19,10 @@ Background jobs (the engine's `background_priority` lane: the Batch API's lines)
 others on this side of the engine too, as the scheduler does inside it: jobs of theirs that
 arrive with foreground ones are admitted after the next step (their prompts could not join a
 step that prefills a foreground one, and tokenizing them would hold it back); their tokens are
-handed over every `_BACKGROUND_FLUSH_EVENTS` events instead of every step (nobody is waiting on
-each; their stream still gets every event, in order, and a resumed job loses at most that many
-tokens of work); and the publisher writes them after the foreground jobs' writes.
+handed over every `_BACKGROUND_FLUSH_TOKENS` tokens instead of every step, joined into one token
+event (nobody is waiting on each; their stream still gets every token, in order, and a resumed
+job loses at most that many tokens of work); and the publisher writes them after the foreground
+jobs' writes.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ log = logging.getLogger("ferry.worker.engine")
 
 _STATS_INTERVAL_S = 0.25  # how often the engine's stats are copied out for /metrics and the heartbeat
 _ARRIVAL_WAIT_S = 0.02  # longest wait for announced jobs before stepping without them
-_BACKGROUND_FLUSH_EVENTS = 8  # a background job's events are handed over in groups of this many
+_BACKGROUND_FLUSH_TOKENS = 8  # a background job's tokens are handed over in groups of this many, as one event
 _IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its timers
 
 
@@ -106,7 +107,7 @@ class _Run:
     text: list[str]  # every released text piece, earlier attempts included
     first_token_at: float | None
     cached_tokens: int = 0
-    pending: list = field(default_factory=list)  # events not handed over yet (a background job's: a few steps')
+    pending: list = field(default_factory=list)  # events not handed over yet (a background job's: a few steps' tokens)
     tools: ToolCallParser | None = None  # a chat that may call tools: reads the calls out of its text
     background: bool = False  # in the engine's background lane (a batch's line): see the module docstring
 
@@ -322,9 +323,9 @@ class EngineLoop:
             run.token_ids += out.new_token_ids
             run.text.append(out.new_text)
             run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
-            run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=out.new_token_ids,
-                                          logprobs=_logprobs(out, job.request.top_logprobs),
-                                          chat=run.tools.feed(out.new_text) if run.tools else None))
+            self._pend_token(run, TokenEvent(seq=run.seq(), text=out.new_text, token_ids=out.new_token_ids,
+                                             logprobs=_logprobs(out, job.request.top_logprobs),
+                                             chat=run.tools.feed(out.new_text) if run.tools else None))
         elif out.new_text:  # held-back text released at the end
             run.text.append(out.new_text)
             run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[],
@@ -341,12 +342,30 @@ class EngineLoop:
             detail = f": {out.stop_reason}" if out.finish_reason == "error" else ""
             message = f"engine ended the request ({out.finish_reason}{detail})"
             return self._fail(job.job_id, ErrorCode.ENGINE_ERROR, message)
-        if run.background and first_token_at is None and len(run.pending) < _BACKGROUND_FLUSH_EVENTS:
+        if run.background and first_token_at is None and _pending_tokens(run) < _BACKGROUND_FLUSH_TOKENS:
             return None  # handed over with the next few, or with the job's end
         events, run.pending = run.pending, []
         if not events and first_token_at is None:
             return None
         return Progress(job.job_id, events, first_token_at, background=run.background)
+
+    @staticmethod
+    def _pend_token(run: _Run, event: TokenEvent) -> None:
+        """Queue a step's token event; a background job's joins the one before it (one event per
+        group: a stream entry, a message and a JSON encoding instead of one per token), and gives
+        its seq back, so seqs stay gapless. Chat-with-tools deltas are not joined (each step's is
+        parsed on its own)."""
+        last = run.pending[-1] if run.pending else None
+        joinable = (run.background and isinstance(last, TokenEvent) and last.chat is None and event.chat is None
+                    and (last.logprobs is None) == (event.logprobs is None))
+        if not joinable:
+            run.pending.append(event)
+            return
+        last.text += event.text
+        last.token_ids = last.token_ids + event.token_ids
+        if event.logprobs is not None:
+            last.logprobs = last.logprobs + event.logprobs
+        run.next_seq -= 1  # the seq `event` took: nobody has seen it
 
     # --- endings --------------------------------------------------------------------------------------
 
@@ -442,6 +461,10 @@ class EngineLoop:
             tbt_s=(end - first) / (n - 1) if first is not None and n > 1 else None,
             total_s=end - created,
         )
+
+
+def _pending_tokens(run: _Run) -> int:
+    return sum(len(e.token_ids) for e in run.pending if isinstance(e, TokenEvent))
 
 
 def _logprobs(out: RequestOutput, top_n: int) -> list[TokenLogprob] | None:
