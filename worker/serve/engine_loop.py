@@ -207,10 +207,11 @@ class EngineLoop:
         while True:
             if isinstance(command, Start):
                 for job in command.jobs:
-                    if self._background(job) and (foreground or self._deferred):
+                    background = self._background(job)
+                    if background and (foreground or self._deferred):
                         self._deferred.append(job)
                         continue
-                    foreground |= not self._background(job)
+                    foreground |= not background
                     writes += self._admit(job)
                 if command.arrived:
                     with self._arriving_lock:

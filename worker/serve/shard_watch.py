@@ -78,11 +78,9 @@ class ShardWatch:
 
     def settle(self, timeout_s: float) -> list[Delivery]:
         """Wait up to `timeout_s` for the reads in flight to end; what they claimed (the caller hands it back)."""
-        out: list[Delivery] = []
         if self._reads:
             wait(list(self._reads.values()), timeout=timeout_s)
         try:
-            out = self.collect()
+            return self.collect()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        return out
