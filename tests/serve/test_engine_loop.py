@@ -12,7 +12,7 @@ import pytest
 
 from worker.engine import LLM, Engine, SamplingParams
 from worker.protocol import ErrorCode, JobRequest
-from worker.serve.engine_loop import EngineLoop
+from worker.serve.engine_loop import BackgroundPacing, EngineLoop
 from worker.serve.intake import JobStart, Streamed
 from worker.serve.metrics import WorkerMetrics
 from worker.serve.writes import Delivery, Finish, HandBack, Progress
@@ -25,10 +25,11 @@ def engine(llama_dir):
     return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
 
 
-def running_loop(engine):
+def running_loop(engine, pacing: BackgroundPacing | None = None):
     """An engine loop on its thread, its writes collected in `.writes`; stopped (engine empty) after."""
     writes: queue.SimpleQueue = queue.SimpleQueue()
-    runner = EngineLoop(engine, "w1", WorkerMetrics(), lambda batch: [writes.put(w) for w in batch])
+    runner = EngineLoop(engine, "w1", WorkerMetrics(), lambda batch: [writes.put(w) for w in batch],
+                        pacing=pacing or BackgroundPacing())
     runner.thread.start()
     runner.writes = writes
     yield runner
@@ -237,3 +238,47 @@ def test_a_background_jobs_joined_token_events_keep_a_logprob_per_token(lane_loo
     assert len(tokens) < 12 and sum(len(e.token_ids) for e in tokens) == 12  # joined
     for e in tokens:
         assert [lp.token_id for lp in e.logprobs] == e.token_ids and all(len(lp.top) == 2 for lp in e.logprobs)
+
+
+paced_loop = contextlib.contextmanager(running_loop)
+
+
+def paused_s(loop) -> float:
+    return loop.metrics.background_paused._value.get()
+
+
+@pytest.mark.parametrize("live_first", [True, False])
+def test_background_work_is_paced_only_while_live_traffic_is_present(lane_engine, llama_dir, live_first):
+    """Every pause here is the cap (ratio 1e6): 0.1 s after each of a background job's steps while
+    a live job ran within the window, none without one; the tokens are the same either way."""
+    with paced_loop(lane_engine, BackgroundPacing(ratio=1e6, window_s=60.0, max_pause_s=0.1)) as loop:
+        if live_first:
+            loop.start([job("live-p", max_tokens=2)], arrived=1)
+            until_finished(loop, "live-p")
+        loop.start([job("bg-p", max_tokens=12, priority="low")], arrived=1)
+        tokens = [t for e in events(until_finished(loop, "bg-p")) if e.type == "token" for t in e.token_ids]
+        assert tokens == list(reference(llama_dir).token_ids)
+        if live_first:
+            assert paused_s(loop) >= 0.1 * 10  # 12 steps (a prefill, 11 decodes), a pause before each but the first
+        else:
+            assert paused_s(loop) == 0
+
+
+def test_a_live_arrival_ends_a_background_pause(lane_engine):
+    """Pauses of up to 60 s: a live job started during one, or a cancel, ends it long before."""
+    with paced_loop(lane_engine, BackgroundPacing(ratio=1e9, window_s=600.0, max_pause_s=60.0)) as loop:
+        loop.start([job("live-a", max_tokens=1)], arrived=1)
+        until_finished(loop, "live-a")
+        loop.start([job("bg-a", max_tokens=4, priority="low")], arrived=1)
+        first = loop.writes.get(timeout=30)  # the background job's first token: a pause follows its step
+        assert first.job_id == "bg-a"
+        time.sleep(0.2)
+        started = time.monotonic()
+        loop.start([job("live-b", max_tokens=2)], arrived=1)
+        until_finished(loop, "live-b")
+        assert time.monotonic() - started < 30  # the pause (60 s) was cut short
+        time.sleep(0.2)  # bg-a is paused again: live-b ran within the window
+        started = time.monotonic()
+        loop.abort("bg-a")
+        assert events(until_finished(loop, "bg-a"))[-1].type == "cancelled"
+        assert time.monotonic() - started < 30  # its cancelled event went out at once

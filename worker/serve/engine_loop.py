@@ -22,7 +22,10 @@ step that prefills a foreground one, and tokenizing them would hold it back); th
 handed over every `_BACKGROUND_FLUSH_TOKENS` tokens instead of every step, joined into one token
 event (nobody is waiting on each; their stream still gets every token, in order, and a resumed
 job loses at most that many tokens of work); and the publisher writes them after the foreground
-jobs' writes.
+jobs' writes. While live traffic is present, background work is also paced (`BackgroundPacing`):
+a step of background work alone is followed by a pause, so the batch does not hold the cores,
+the GIL and the engine all the time, and a live job's whole path (the API, Redis, the intake,
+this thread, the publisher) finds them free when it arrives. A live arrival ends the pause.
 """
 
 from __future__ import annotations
@@ -73,6 +76,22 @@ _BACKGROUND_FLUSH_TOKENS = 8  # a background job's tokens are handed over in gro
 _IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its timers
 
 
+@dataclass(frozen=True, slots=True)
+class BackgroundPacing:
+    """How background work gives way to live traffic beyond the scheduler's rules.
+
+    While live traffic is present (a foreground job ran or was admitted within `window_s`), each
+    step that ran background work alone is followed by a pause of `ratio` times that step's
+    length (at most `max_pause_s`: one slow step, a long batch prefill, never holds the batch
+    back for long): the batch lane then runs at most 1 / (1 + ratio) of the time. A foreground
+    arrival ends the pause at once. With no live traffic the batch runs flat out; `ratio` 0
+    turns pacing off."""
+
+    ratio: float = 2.0
+    window_s: float = 2.0
+    max_pause_s: float = 0.1
+
+
 # --- commands from other threads -------------------------------------------------------------------
 
 
@@ -118,8 +137,10 @@ class _Run:
 
 class EngineLoop:
     def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
-                 idle_task: Callable[[], None] | None = None, tool_call_parser: str = DEFAULT_PARSER) -> None:
+                 idle_task: Callable[[], None] | None = None, tool_call_parser: str = DEFAULT_PARSER,
+                 pacing: BackgroundPacing = BackgroundPacing()) -> None:
         self.engine = engine
+        self.pacing = pacing
         self.tool_call_parser = tool_call_parser  # worker.protocol.tool_parsers.PARSERS: this model's call format
         self.worker_id = worker_id
         self.metrics = metrics
@@ -136,6 +157,8 @@ class EngineLoop:
         self._deferred: list[JobStart] = []  # background jobs that arrived with foreground ones: admitted after a step
         self._arriving_lock = threading.Lock()
         self._stats_at = 0.0
+        self._foreground_at = float("-inf")  # monotonic time a foreground job last ran or was admitted
+        self._last_step_s = 0.0  # how long the last engine step took (the pause is sized by it)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- commands (any thread) -----------------------------------------------------------------
@@ -171,11 +194,18 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self.stop.is_set():
             writes: list[JobWrite] = self._admit_deferred()
-            self._take_commands(writes, _IDLE_POLL_S if not self.engine.has_unfinished_requests() else None)
+            if not self.engine.has_unfinished_requests():
+                self._take_commands(writes, _IDLE_POLL_S)
+            elif (pause_s := self._background_pause_s()) > 0:
+                self._pause_background(writes, pause_s)
+            else:
+                self._take_commands(writes, None)
             self._await_arrivals(writes)
             self._expire(writes)
             if self.engine.has_unfinished_requests():
+                started = time.monotonic()
                 writes += self._step()
+                self._last_step_s = time.monotonic() - started
             elif self.idle_task is not None and self.fatal is None:
                 self.idle_task()
             now = time.monotonic()
@@ -197,13 +227,40 @@ class EngineLoop:
                 return
             self._take_commands(writes, remaining)
 
-    def _take_commands(self, writes: list[JobWrite], wait_s: float | None) -> None:
-        """Run every queued command; wait up to `wait_s` for the first (None: do not wait)."""
+    def _background_pause_s(self) -> float:
+        """How long to hold background work back before the next step (`BackgroundPacing`): 0
+        unless live traffic is present and every job here is a background one."""
+        if self.pacing.ratio <= 0:
+            return 0.0
+        now = time.monotonic()
+        if any(not run.background for run in self.runs.values()):
+            self._foreground_at = now  # live work steps now (and the batch's decodes ride along)
+            return 0.0
+        if now - self._foreground_at > self.pacing.window_s:
+            return 0.0
+        return min(self.pacing.ratio * self._last_step_s, self.pacing.max_pause_s)
+
+    def _pause_background(self, writes: list[JobWrite], pause_s: float) -> None:
+        """Take commands for `pause_s` instead of stepping; a foreground job, a hand back or a
+        command with something to write (a cancel) ends the pause."""
+        started = time.monotonic()
+        deadline = started + pause_s
+        written = len(writes)
+        while (remaining := deadline - time.monotonic()) > 0 and not self.stop.is_set():
+            if self._take_commands(writes, remaining) or len(writes) > written:
+                break
+        self.metrics.background_paused.inc(time.monotonic() - started)
+
+    def _take_commands(self, writes: list[JobWrite], wait_s: float | None) -> bool:
+        """Run every queued command; wait up to `wait_s` for the first (None: do not wait).
+        True when one needs the next step at once: a foreground job was admitted, or every job
+        was handed back."""
         try:
             command = self._inbox.get(timeout=wait_s) if wait_s is not None else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         foreground = False  # a foreground job was admitted in this round: background ones wait a step
+        handed_back = False
         while True:
             if isinstance(command, Start):
                 for job in command.jobs:
@@ -222,10 +279,11 @@ class EngineLoop:
             else:
                 writes += self._admit_deferred()
                 writes += self._hand_back()
+                handed_back = True
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return foreground or handed_back
 
     def _step(self) -> list[JobWrite]:
         try:
@@ -265,6 +323,8 @@ class EngineLoop:
         run = _Run(job, 0, job.streamed.next_seq, list(resumed), [job.streamed.text] if job.streamed.text else [],
                    job.first_token_at, background=self._background(job))
         self.runs[job.job_id] = run
+        if not run.background:
+            self._foreground_at = time.monotonic()
         try:
             prompt_ids = self._prompt_ids(req)
         except Exception as exc:  # tokenizer or chat-template errors (jinja raises its own types): bad input

@@ -139,7 +139,7 @@ class Worker:
         import torch
 
         from worker.engine import Engine
-        from worker.serve.engine_loop import EngineLoop
+        from worker.serve.engine_loop import BackgroundPacing, EngineLoop
         from worker.serve.snapshot_keeper import SnapshotKeeper
         from worker.snapshots import fingerprint
 
@@ -162,8 +162,9 @@ class Worker:
                              "max_model_len": str(self.engine.max_model_len)}
         log.info("engine loaded", extra={"model": self.model, "seconds": round(time.monotonic() - started, 2),
                                          "fingerprint": self.fingerprint})
+        pacing = BackgroundPacing(self.settings.background_pause_ratio, self.settings.background_pause_window_s)
         self.runner = EngineLoop(self.engine, self.worker_id, self.metrics, self.publisher_thread.submit, idle_task,
-                                 tool_call_parser=self.settings.tool_call_parser)
+                                 tool_call_parser=self.settings.tool_call_parser, pacing=pacing)
 
     def _start_threads(self) -> None:
         self.runner.thread.start()

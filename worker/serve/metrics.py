@@ -99,6 +99,10 @@ class WorkerMetrics:
         self.jobs = Counter("ferry_jobs", "Jobs this worker finished, by terminal status", ["status"], registry=r)
         self.reclaimed = Counter("ferry_jobs_reclaimed", "Jobs taken over from dead workers", registry=r)
         self.handed_back = Counter("ferry_jobs_handed_back", "Jobs handed back to the queue on drain", registry=r)
+        self.background_paused = Counter(
+            "ferry_worker_background_paused_seconds", "Seconds the engine held batch work back for live traffic",
+            registry=r,
+        )
         self.records_lost = Counter(
             "ferry_job_records_lost", "Jobs stopped: Redis no longer had their record (nothing written)", registry=r
         )

@@ -103,6 +103,13 @@ class WorkerSettings(RedisTopology):
     result_ttl_s: int = 86400  # how long a finished job's hash and event stream are kept
     queue_maxlen: int = 100_000
 
+    # The batch lane while live traffic is present (worker.serve.engine_loop.BackgroundPacing): a
+    # step of background work alone is followed by a pause of this many times its length, so a
+    # batch runs at most 1 / (1 + ratio) of the time; live traffic = a job of another lane ran in
+    # the last window. 0: off (the batch runs flat out, live jobs still preempt it).
+    background_pause_ratio: float = Field(2.0, ge=0)
+    background_pause_window_s: float = Field(2.0, gt=0)
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
