@@ -244,7 +244,7 @@ paced_loop = contextlib.contextmanager(running_loop)
 
 
 def paused_s(loop) -> float:
-    return loop.metrics.background_paused._value.get()
+    return loop.metrics.registry.get_sample_value("ferry_worker_background_paused_seconds_total")
 
 
 @pytest.mark.parametrize("live_first", [True, False])
