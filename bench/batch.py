@@ -169,29 +169,37 @@ async def run(url: str, prefix: str, args: argparse.Namespace) -> dict:
     return {"jobs_wall_s": jobs_s, "batch_wall_s": batch_s, "batch_with_live_wall_s": batch_with_live_s,
             "batch": batch["request_counts"],
             "ttft_idle_ms": [r.ttft_ms for r in idle], "ttft_with_batch_ms": [r.ttft_ms for r in loaded],
-            "stages_idle_ms": ttft_stages(idle, args.redis_url, prefix),
-            "stages_with_batch_ms": ttft_stages(loaded, args.redis_url, prefix)}
+            **stage_results("idle", idle, args.redis_url, prefix),
+            **stage_results("with_batch", loaded, args.redis_url, prefix)}
 
 
 STAGES = ("accept", "queue", "engine", "delivery")
 
 
-def ttft_stages(requests: list[LiveRequest], redis_url: str, prefix: str) -> dict[str, float | None]:
-    """Where a live TTFT goes, p50 per stage in ms, from the job hash's timestamps (one clock: all
+def ttft_stages(requests: list[LiveRequest], redis_url: str, prefix: str) -> list[dict[str, float]]:
+    """Where each live TTFT went, ms per stage, from the job hash's timestamps (one clock: all
     processes run here): accept = sent -> the API accepted it (created_at), queue = -> a worker
     started it, engine = -> its first token was written, delivery = -> the client had it."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(prefix)
-    stages: dict[str, list[float]] = {name: [] for name in STAGES}
+    out = []
     for r in requests:
         created, started, first = client.hmget(keys.job(r.job_id), "created_at", "started_at", "first_token_at")
         if None in (created, started, first):
             continue
         marks = [r.sent_at, float(created), float(started), float(first), r.received_at]
-        for name, (a, b) in zip(STAGES, itertools.pairwise(marks), strict=True):
-            stages[name].append(1000 * (b - a))
+        out.append({"ttft": r.ttft_ms} | {name: 1000 * (b - a) for name, (a, b) in
+                                          zip(STAGES, itertools.pairwise(marks), strict=True)})
     client.close()
-    return {name: percentiles(values)["p50"] for name, values in stages.items()}
+    return out
+
+
+def stage_results(phase: str, requests: list[LiveRequest], redis_url: str, prefix: str) -> dict:
+    """p50 per stage, and the stages of the slowest tenth of the requests (where the tail goes)."""
+    stages = ttft_stages(requests, redis_url, prefix)
+    slowest = sorted(stages, key=lambda s: s["ttft"])[-max(1, len(stages) // 10):]
+    return {f"stages_{phase}_ms": {name: percentiles([s[name] for s in stages])["p50"] for name in STAGES},
+            f"slowest_{phase}_ms": [{k: round(v, 2) for k, v in s.items()} for s in slowest]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     for phase in ("idle", "with_batch"):
         stages = raw[f"stages_{phase}_ms"]
         print(f"  {phase:>10}: " + ", ".join(f"{name} {stages[name] or 0:.1f}" for name in STAGES) + " ms (p50)")
+        for slow in raw[f"slowest_{phase}_ms"]:
+            print(f"  {'':>10}  slowest tenth, {slow['ttft']:.0f} ms: "
+                  + ", ".join(f"{name} {slow[name]:.1f}" for name in STAGES))
     print(f"-> {path}")
     return 0
 

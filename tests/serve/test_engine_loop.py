@@ -282,3 +282,42 @@ def test_a_live_arrival_ends_a_background_pause(lane_engine):
         loop.abort("bg-a")
         assert events(until_finished(loop, "bg-a"))[-1].type == "cancelled"
         assert time.monotonic() - started < 30  # its cancelled event went out at once
+
+
+@pytest.mark.parametrize("live_first", [True, False])
+def test_while_paced_a_burst_of_background_jobs_is_admitted_a_few_per_step(lane_engine, llama_dir, live_first):
+    """20 background jobs handed over at once: while live traffic is present at most 8 of them
+    start per step (their first tokens come in steps of at most 8); with none, all in one step."""
+    batches: queue.SimpleQueue = queue.SimpleQueue()
+    loop = EngineLoop(lane_engine, "w1", WorkerMetrics(), batches.put,
+                      pacing=BackgroundPacing(ratio=1e-9, window_s=60.0, admit_per_step=8))
+    loop.thread.start()
+    try:
+        if live_first:
+            loop.start([job("live-q", max_tokens=1)], arrived=1)
+            while not any(isinstance(w, Finish) for w in batches.get(timeout=30)):
+                pass
+        names = [f"burst{i}" for i in range(20)]
+        loop.start([job(name, max_tokens=3, priority="low") for name in names], arrived=len(names))
+        first_tokens_per_step, finished, tokens = [], set(), {name: [] for name in names}
+        deadline = time.monotonic() + 60
+        while len(finished) < len(names) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                step = batches.get(timeout=0.1)
+                firsts = {w.job_id for w in step if isinstance(w, Progress) and w.first_token_at is not None
+                          and not tokens[w.job_id]}
+                if firsts:
+                    first_tokens_per_step.append(len(firsts))
+                for w in step:
+                    tokens[w.job_id] += [t for e in w.events if e.type == "token" for t in e.token_ids]
+                    if isinstance(w, Finish):
+                        finished.add(w.job_id)
+        expected = list(reference(llama_dir, max_tokens=3).token_ids)
+        assert all(tokens[name] == expected for name in names)
+        if live_first:
+            assert max(first_tokens_per_step) <= 8 and sum(first_tokens_per_step) == 20
+        else:
+            assert first_tokens_per_step == [20]
+    finally:
+        loop.stop.set()
+        loop.thread.join(10)

@@ -84,12 +84,16 @@ class BackgroundPacing:
     step that ran background work alone is followed by a pause of `ratio` times that step's
     length (at most `max_pause_s`: one slow step, a long batch prefill, never holds the batch
     back for long): the batch lane then runs at most 1 / (1 + ratio) of the time. A foreground
-    arrival ends the pause at once. With no live traffic the batch runs flat out; `ratio` 0
-    turns pacing off."""
+    arrival ends the pause at once. And at most `admit_per_step` background jobs are admitted
+    between two steps (the rest wait a step): admitting one renders its chat template and
+    tokenizes it on this thread, and its prompt joins the next step's prefill, so a burst of 64
+    batch lines would otherwise hold a live job back by both. With no live traffic the batch
+    runs flat out; `ratio` 0 turns pacing off."""
 
-    ratio: float = 2.0
+    ratio: float = 3.0
     window_s: float = 2.0
     max_pause_s: float = 0.1
+    admit_per_step: int = 8
 
 
 # --- commands from other threads -------------------------------------------------------------------
@@ -154,7 +158,7 @@ class EngineLoop:
         self.fatal: RankFailedError | None = None  # set once the engine can no longer step (the worker exits)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._arriving = 0  # jobs announced by the intake and not yet started or settled
-        self._deferred: list[JobStart] = []  # background jobs that arrived with foreground ones: admitted after a step
+        self._deferred: list[JobStart] = []  # background jobs admitted after a step (see _take_commands)
         self._arriving_lock = threading.Lock()
         self._stats_at = 0.0
         self._foreground_at = float("-inf")  # monotonic time a foreground job last ran or was admitted
@@ -194,7 +198,7 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self.stop.is_set():
             writes: list[JobWrite] = self._admit_deferred()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_unfinished_requests() and not self._deferred:
                 self._take_commands(writes, _IDLE_POLL_S)
             elif (pause_s := self._background_pause_s()) > 0:
                 self._pause_background(writes, pause_s)
@@ -227,16 +231,17 @@ class EngineLoop:
                 return
             self._take_commands(writes, remaining)
 
+    def _pacing(self) -> bool:
+        """Whether background work is paced now: on, and live traffic present."""
+        return self.pacing.ratio > 0 and time.monotonic() - self._foreground_at <= self.pacing.window_s
+
     def _background_pause_s(self) -> float:
         """How long to hold background work back before the next step (`BackgroundPacing`): 0
         unless live traffic is present and every job here is a background one."""
-        if self.pacing.ratio <= 0:
-            return 0.0
-        now = time.monotonic()
         if any(not run.background for run in self.runs.values()):
-            self._foreground_at = now  # live work steps now (and the batch's decodes ride along)
+            self._foreground_at = time.monotonic()  # live work steps now (and the batch's decodes ride along)
             return 0.0
-        if now - self._foreground_at > self.pacing.window_s:
+        if not self._pacing():
             return 0.0
         return min(self.pacing.ratio * self._last_step_s, self.pacing.max_pause_s)
 
@@ -261,23 +266,27 @@ class EngineLoop:
             return False
         foreground = False  # a foreground job was admitted in this round: background ones wait a step
         handed_back = False
+        # Background jobs admitted in this round while they are paced (BackgroundPacing.admit_per_step)
+        room = self.pacing.admit_per_step if self._pacing() else None
         while True:
             if isinstance(command, Start):
                 for job in command.jobs:
                     background = self._background(job)
-                    if background and (foreground or self._deferred):
+                    if background and (foreground or self._deferred or room == 0):
                         self._deferred.append(job)
                         continue
+                    if background and room is not None:
+                        room -= 1
                     foreground |= not background
                     writes += self._admit(job)
                 if command.arrived:
                     with self._arriving_lock:
                         self._arriving -= command.arrived
             elif isinstance(command, Abort):
-                writes += self._admit_deferred()  # the job to stop may be among them
+                writes += self._admit_deferred(everyone=True)  # the job to stop may be among them
                 writes += self._abort(command)
             else:
-                writes += self._admit_deferred()
+                writes += self._admit_deferred(everyone=True)
                 writes += self._hand_back()
                 handed_back = True
             try:
@@ -310,10 +319,13 @@ class EngineLoop:
         lane = self.engine.config.background_priority
         return lane is not None and ENGINE_PRIORITY[job.request.priority] >= lane
 
-    def _admit_deferred(self) -> list[JobWrite]:
+    def _admit_deferred(self, everyone: bool = False) -> list[JobWrite]:
+        """Admit the deferred background jobs: all of them, or while paced `admit_per_step`
+        (the rest after the next step)."""
+        count = len(self._deferred) if everyone or not self._pacing() else self.pacing.admit_per_step
         writes: list[JobWrite] = []
-        deferred, self._deferred = self._deferred, []
-        for job in deferred:
+        admitted, self._deferred = self._deferred[:count], self._deferred[count:]
+        for job in admitted:
             writes += self._admit(job)
         return writes
 

@@ -107,7 +107,7 @@ class WorkerSettings(RedisTopology):
     # step of background work alone is followed by a pause of this many times its length, so a
     # batch runs at most 1 / (1 + ratio) of the time; live traffic = a job of another lane ran in
     # the last window. 0: off (the batch runs flat out, live jobs still preempt it).
-    background_pause_ratio: float = Field(2.0, ge=0)
+    background_pause_ratio: float = Field(3.0, ge=0)
     background_pause_window_s: float = Field(2.0, gt=0)
 
     @classmethod
