@@ -194,16 +194,25 @@ def plot_queue(data: dict, out_dir: Path) -> list[Path]:
 
 
 def plot_batch(data: dict, out_dir: Path) -> list[Path]:
-    """A batch against the same requests as individual jobs, and live TTFT with and without it (bench.batch)."""
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    bars = axes[0].bar(["individual jobs", "one batch"], [data["jobs_wall_s"], data["batch_wall_s"]],
-                       color=["tab:gray", "tab:green"])
+    """A batch against the same requests as individual jobs (and while live requests come), and
+    live TTFT p50 and p90 with and without it (bench.batch)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels, walls = ["individual jobs", "one batch"], [data["jobs_wall_s"], data["batch_wall_s"]]
+    if data.get("batch_with_live_wall_s"):  # older results have no such figure
+        labels.append("one batch,\nlive requests coming")
+        walls.append(data["batch_with_live_wall_s"])
+    bars = axes[0].bar(labels, walls, color=["tab:gray", "tab:green", "tab:olive"][: len(walls)])
     axes[0].bar_label(bars, fmt="%.1f")
     axes[0].set_ylabel(f"wall s for {data['lines']} requests")
-    bars = axes[1].bar(["no batch", "batch running"], [data["ttft_idle"]["p50"], data["ttft_with_batch"]["p50"] or 0],
-                       color=["tab:gray", "tab:orange"])
-    axes[1].bar_label(bars, fmt="%.0f")
-    axes[1].set_ylabel("live TTFT p50, ms")
+    for i, (phase, color) in enumerate((("ttft_idle", "tab:gray"), ("ttft_with_batch", "tab:orange"))):
+        xs = [j + (i - 0.5) * 0.4 for j in range(2)]
+        values = [data[phase].get(q) or 0 for q in ("p50", "p90")]
+        bars = axes[1].bar(xs, values, width=0.4, color=color,
+                           label="no batch" if phase == "ttft_idle" else "batch running")
+        axes[1].bar_label(bars, fmt="%.0f")
+    axes[1].set_xticks(range(2), ["p50", "p90"])
+    axes[1].set_ylabel("live TTFT, ms")
+    axes[1].legend()
     fig.suptitle(f"Batch API, {data['max_tokens']} tokens per line")
     return [_save(fig, out_dir / "batch.png")]
 
