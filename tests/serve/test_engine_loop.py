@@ -321,3 +321,14 @@ def test_while_paced_a_burst_of_background_jobs_is_admitted_a_few_per_step(lane_
     finally:
         loop.stop.set()
         loop.thread.join(10)
+
+
+def test_hand_back_all_returns_background_jobs_deferred_by_pacing(lane_engine):
+    with paced_loop(lane_engine, BackgroundPacing(ratio=1e-9, window_s=60.0, admit_per_step=2)) as loop:
+        loop.start([job("live-h", max_tokens=1)], arrived=1)
+        until_finished(loop, "live-h")
+        names = [f"deferred{i}" for i in range(10)]
+        loop.start([job(name, max_tokens=200, priority="low") for name in names], arrived=len(names))
+        loop.hand_back_all()
+        ends = [until_finished(loop, name)[-1] for name in names]
+        assert all(isinstance(w, HandBack) and w.attempts == 0 for w in ends)

@@ -286,7 +286,6 @@ class EngineLoop:
                 writes += self._admit_deferred(everyone=True)  # the job to stop may be among them
                 writes += self._abort(command)
             else:
-                writes += self._admit_deferred(everyone=True)
                 writes += self._hand_back()
                 handed_back = True
             try:
@@ -507,13 +506,16 @@ class EngineLoop:
                 log.warning("job timed out", extra={"job_id": job_id})
 
     def _hand_back(self) -> list[JobWrite]:
+        """Every job back to the queue: those running and the deferred ones (never admitted).
+        These deliveries do not count against max_attempts: the worker left, the jobs did not fail."""
         writes: list[JobWrite] = []
         for job_id, run in list(self.runs.items()):
             self.runs.pop(job_id)
             self.engine.abort(job_id)
             events, run.pending = run.pending, []
-            # This delivery does not count against max_attempts: the worker left, the job did not fail.
             writes.append(HandBack(job_id, run.start.delivery, events, attempts=run.start.attempts - 1))
+        deferred, self._deferred = self._deferred, []
+        writes += [HandBack(job.job_id, job.delivery, [], attempts=job.attempts - 1) for job in deferred]
         return writes
 
     # --- result fields -------------------------------------------------------------------------------
