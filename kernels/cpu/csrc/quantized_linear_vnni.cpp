@@ -15,7 +15,9 @@
 //   y       += d[n] (xs[r, b] s)                 (+ m[n] xsum[r, b] for Q4_1; m = -8 d for Q4_0)
 // where q is the stored quant (Q4: 0..15, the offset being m or -8 d; Q8_0: -128..127) and
 // xsum is the block's float32 sum of x (not of xq), as in the float kernel. |y - x W^T| is then
-// at most sum_b xs[r, b] / 2 sum_{j in b} |w[n, j]| beyond float32 rounding.
+// at most sum_b xs[r, b] / 2 sum_{j in b} |d[n] q[n, j]| beyond float32 rounding: the rounded x
+// meets the stored quant, not w (for Q8_0 that is |w|; for Q4 up to ~2|w| on average, since q
+// runs 0..15 around the offset).
 //
 // Register use: a vpdpwssd lane is one output row and two adjacent columns.
 // - Batch 1 (`micro`): a zmm holds a tile's 8 rows at columns (j, j+1) in its low half and
@@ -307,7 +309,9 @@ void rows_against_pairs(const uint8_t* tiles, int64_t group, int64_t end, int64_
                         const int16_t* xq, const float* xscale, const float* xsum, const float* bias, float* out) {
   const int64_t group_stride = blocks * tile_bytes(F), K = blocks * kBlock;
   int64_t g = group;
-  const auto valid_rows = [&](int64_t last_group) { return std::min<int64_t>(2 * kRowsPerTile, N - last_group * kRowsPerTile); };
+  const auto valid_rows = [&](int64_t last_group) {  // output rows of the pair starting at last_group
+    return std::min<int64_t>(2 * kRowsPerTile, N - last_group * kRowsPerTile);
+  };
   constexpr int P = batch_pairs(F);
   for (; g + 2 * P <= end; g += 2 * P)
     micro_pairs<F, R, P>(tiles + g * group_stride, group_stride, blocks, xq, K, xscale, xsum,
@@ -324,7 +328,8 @@ void some_rows_against_pairs(int64_t rows, const uint8_t* tiles, int64_t group, 
                              int64_t N, const int16_t* xq, const float* xscale, const float* xsum, const float* bias,
                              float* out) {
   if constexpr (R > 1) {
-    if (rows < R) return some_rows_against_pairs<F, R - 1>(rows, tiles, group, end, blocks, N, xq, xscale, xsum, bias, out);
+    if (rows < R)
+      return some_rows_against_pairs<F, R - 1>(rows, tiles, group, end, blocks, N, xq, xscale, xsum, bias, out);
   }
   rows_against_pairs<F, R>(tiles, group, end, blocks, N, xq, xscale, xsum, bias, out);
 }
