@@ -334,7 +334,9 @@ def test_kill9_mid_generation_resumes_without_gap(stack):
     ]
     # The victim is a worker caught mid-generation on a constrained job.
     victim, _ = _holder_mid_generation(stack, [ids[i] for i in sorted(constrained)], stack.spares)
-    held = [j for j in ids if record(c, k, j).worker_id == victim.worker_id]
+    # The jobs it is still running: a constrained job can finish early (its JSON is complete),
+    # and one the victim already finished is not resumed.
+    held = [j for j in ids if (rec := record(c, k, j)).worker_id == victim.worker_id and rec.state is JobState.running]
     victim.kill9()
     stack.spares.remove(victim)
     recs = wait_terminal(c, k, ids, timeout=120)
