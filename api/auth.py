@@ -2,7 +2,7 @@
 
 Keys are configured only as sha256 hex digests ("<sha256hex>:<tenant>[;option=value...]",
 comma-separated in FERRY_API_KEYS or one per line in FERRY_API_KEYS_FILE; the options are
-`worker.protocol.tenants`'), so the API never holds a usable key. With no keys configured the
+`worker.common.tenants`'), so the API never holds a usable key. With no keys configured the
 API is open: every caller is the tenant `OPEN_TENANT`, and start-up says so loudly.
 """
 
@@ -17,9 +17,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.errors import ApiError
-from worker.protocol.key_source import KeySource
-from worker.protocol.tenants import KeyConfig, KeyEntry, TenantConfig, hash_key
+from ferry.api.errors import ApiError
+from ferry.worker.common.key_source import KeySource
+from ferry.worker.common.tenants import KeyConfig, KeyEntry, TenantConfig, hash_key
 
 log = logging.getLogger("ferry.api")
 
@@ -30,7 +30,7 @@ __all__ = ["OPEN_TENANT", "KeyRing", "hash_key"]
 @dataclass(frozen=True, slots=True)
 class KeyRing:
     """The key configuration as the API checks it, kept current from FERRY_API_KEYS_FILE
-    (`worker.protocol.key_source`: a key revoked there stops working within seconds). No keys
+    (`worker.common.key_source`: a key revoked there stops working within seconds). No keys
     means open mode."""
 
     source: KeySource

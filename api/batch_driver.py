@@ -36,7 +36,7 @@ from pathlib import Path
 
 import anyio
 
-from api.batches import (
+from ferry.api.batches import (
     FINAL,
     MAX_REPORTED_ERRORS,
     STATUS_TIMES,
@@ -47,14 +47,14 @@ from api.batches import (
     read_lines,
     unanswered_line,
 )
-from api.errors import ApiError
-from api.files import Upload, get_record, store_upload
-from api.joblist import index_job
-from api.ratelimit import RateLimited, admit, estimate_tokens
-from api.services import Services, cancel_job
-from worker.protocol import TERMINAL_STATES, JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id_for
-from worker.protocol.codec import text
-from worker.protocol.objectstore import ObjectStore
+from ferry.api.errors import ApiError
+from ferry.api.files import Upload, get_record, store_upload
+from ferry.api.joblist import index_job
+from ferry.api.ratelimit import RateLimited, admit, estimate_tokens
+from ferry.api.services import Services, cancel_job
+from ferry.worker.common.objectstore import ObjectStore
+from ferry.worker.protocol import TERMINAL_STATES, JobRecord, UnreadableRecord, enqueue_job_async, lua, new_job_id_for
+from ferry.worker.protocol.codec import text
 
 log = logging.getLogger("ferry.api.batches")
 

@@ -20,12 +20,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import iterate_in_threadpool
 
-from api.errors import ApiError, error_body
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.routes.openai import Shape, chat_jobs, completion_jobs, job_error
-from api.services import Services, check_against_model, resolve_model
-from worker.protocol import JobRecord, JobRequest, JobState, Priority
-from worker.protocol.objectstore import ObjectStore
+from ferry.api.errors import ApiError, error_body
+from ferry.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from ferry.api.routes.openai import Shape, chat_jobs, completion_jobs, job_error
+from ferry.api.services import Services, check_against_model, resolve_model
+from ferry.worker.common.objectstore import ObjectStore
+from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority
 
 BATCH_ID_PATTERN = r"^batch_[0-9a-f]{32}$"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")

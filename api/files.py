@@ -20,10 +20,10 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import iterate_in_threadpool
 from starlette.requests import Request
 
-from api.errors import ApiError, not_found
-from worker.protocol import Keys
-from worker.protocol.keys import tenant_tag
-from worker.protocol.objectstore import ObjectStore, StoreError
+from ferry.api.errors import ApiError, not_found
+from ferry.worker.common.objectstore import ObjectStore, StoreError
+from ferry.worker.protocol import Keys
+from ferry.worker.protocol.keys import tenant_tag
 
 FILE_ID_PATTERN = r"^file-[0-9a-f]{32}(-(output|errors))?$"
 PURPOSES = ("batch", "batch_output")  # what a client may upload, and what Ferry writes

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from api.settings import ApiSettings
-from worker.protocol import JobRecord, JobState, Keys, UnreadableRecord, job_id_created_at
+from ferry.api.settings import ApiSettings
+from ferry.worker.protocol import JobRecord, JobState, Keys, UnreadableRecord, job_id_created_at
 
 _SCAN_CHUNK = 100  # ids read per round trip while filling a page
 _ORPHAN_GRACE_S = 60.0  # an id with no hash this old is dropped (younger: its enqueue may be under way)

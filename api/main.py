@@ -12,17 +12,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api.auth import KeyRing
-from api.batch_driver import BatchDriver
-from api.errors import BodyLimitMiddleware, install_error_handlers
-from api.ratelimit import RateLimitHeaders
-from api.routes import admin, batches, files, health, jobs, openai, usage
-from api.services import ApiMetrics, Services
-from api.settings import ApiSettings
-from api.streaming import PubSubHub
-from worker.protocol import Keys
-from worker.protocol.connect import ReplicationWaiter, connect_async
-from worker.protocol.objectstore import open_store
+from ferry.api.auth import KeyRing
+from ferry.api.batch_driver import BatchDriver
+from ferry.api.errors import BodyLimitMiddleware, install_error_handlers
+from ferry.api.ratelimit import RateLimitHeaders
+from ferry.api.routes import admin, batches, files, health, jobs, openai, usage
+from ferry.api.services import ApiMetrics, Services
+from ferry.api.settings import ApiSettings
+from ferry.api.streaming import PubSubHub
+from ferry.worker.common.connect import ReplicationWaiter, connect_async
+from ferry.worker.common.objectstore import open_store
+from ferry.worker.protocol import Keys
 
 log = logging.getLogger("ferry.api")
 
@@ -82,7 +82,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             replication=ReplicationWaiter(client, settings.redis_min_replicas, settings.redis_replica_timeout_ms)
             if settings.redis_min_replicas else None,
         )
-        app.state.files_store = open_store(settings.files_url)
+        app.state.files_store = open_store(settings.files_url, settings.s3_endpoint_url)
         driver = BatchDriver(app.state.services, app.state.files_store)
         driver.start()
         keyring.announce()

@@ -11,12 +11,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator, model_validator
 
-from api.streaming import SSE_EVENT_SCHEMA
-from worker.protocol import Message, Priority, StructuredOutputsRequest
-from worker.protocol.jobs import LogitBias, TokenIds, check_json, sampling_annotation, sampling_fields
-from worker.protocol.sampling import LIMITS
-from worker.protocol.structured import check_json_schema
-from worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
+from ferry.api.streaming import SSE_EVENT_SCHEMA
+from ferry.worker.protocol import Message, Priority, StructuredOutputsRequest
+from ferry.worker.protocol.jobs import LogitBias, TokenIds, check_json, sampling_annotation, sampling_fields
+from ferry.worker.protocol.sampling import LIMITS
+from ferry.worker.protocol.structured import check_json_schema
+from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(BaseModel):

@@ -20,9 +20,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from api.errors import ApiError
-from api.services import Services, model_limits
-from worker.protocol import JobRequest, lua
+from ferry.api.errors import ApiError
+from ferry.api.services import Services, model_limits
+from ferry.worker.protocol import JobRequest, lua
 
 BUCKET_TTL_S = 300  # an idle bucket refills fully within a minute; its hash goes after this
 _BYTES_PER_TOKEN = 4

@@ -6,10 +6,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
-from worker.protocol.jobs import Metadata, StrictFloat, check_json, sampling_annotation
-from worker.protocol.sampling import LIMITS
-from worker.protocol.tools import ToolCall
+from ferry.worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
+from ferry.worker.protocol.jobs import Metadata, StrictFloat, check_json, sampling_annotation
+from ferry.worker.protocol.sampling import LIMITS
+from ferry.worker.protocol.tools import ToolCall
 
 # JobRequest fields the API sets itself or takes from the job envelope rather than from `input`.
 _NOT_INPUT = {"model", "tenant", "created_at", "priority", "ttl_s", "timeout_s", "metadata", "webhook", "cache_salt"}

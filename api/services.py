@@ -21,13 +21,15 @@ import redis.asyncio as aredis
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from api.auth import KeyRing
-from api.errors import ApiError, not_found
-from api.joblist import index_job
-from api.settings import ApiSettings
-from api.streaming import PubSubHub
-from api.usage import TenantUsageMetrics
-from worker.protocol import (
+from ferry.api.auth import KeyRing
+from ferry.api.errors import ApiError, not_found
+from ferry.api.joblist import index_job
+from ferry.api.settings import ApiSettings
+from ferry.api.streaming import PubSubHub
+from ferry.api.usage import TenantUsageMetrics
+from ferry.worker.common.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
+from ferry.worker.common.connect import ReplicationWaiter
+from ferry.worker.protocol import (
     EnqueueResult,
     JobRecord,
     JobRequest,
@@ -39,10 +41,8 @@ from worker.protocol import (
     job_id_created_at,
     new_job_id_for,
 )
-from worker.protocol.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
-from worker.protocol.connect import ReplicationWaiter
-from worker.protocol.keys import watch_value
-from worker.protocol.usage import account_job_async, refund_reservation_async
+from ferry.worker.protocol.keys import watch_value
+from ferry.worker.protocol.usage import account_job_async, refund_reservation_async
 
 log = logging.getLogger("ferry.api")
 

@@ -1,26 +1,15 @@
-"""API process settings: environment variables `FERRY_*` (pydantic-settings)."""
+"""API process settings: environment variables `FERRY_*` (pydantic-settings). Those every process
+shares (Redis, job defaults, keys, the address) are `FerrySettings`'."""
 
 from __future__ import annotations
 
-from pydantic_settings import SettingsConfigDict
-
-from worker.protocol.connect import RedisTopology
+from ferry.worker.common.settings import FerrySettings
 
 
-class ApiSettings(RedisTopology):
-    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "ferry"
+class ApiSettings(FerrySettings):
     redis_max_connections: int = 64  # the API's pool; requests wait for a free connection
     redis_pool_timeout_s: float = 2.0  # longest wait for one (then 503)
     redis_socket_timeout_s: float = 1.0  # connect and read timeout of every Redis call (then 503)
-    host: str = "0.0.0.0"
-    port: int = 8000
-    # API keys: comma-separated "sha256hex:tenant" pairs, or a file with one pair per line.
-    # With neither set the API runs open (and says so loudly at start-up).
-    api_keys: str | None = None
-    api_keys_file: str | None = None
     max_body_bytes: int = 1 << 20
     max_queue_len: int = 10_000  # 429 above this many waiting jobs for a model
     retry_after_s: int = 5  # the Retry-After a 429 suggests
@@ -30,13 +19,8 @@ class ApiSettings(RedisTopology):
     model_liveness_s: float = 15.0  # a model is live while a worker's heartbeat is this recent
     max_wait_s: float = 60.0  # cap on `Prefer: wait=N`
     idempotency_ttl_s: int = 86400
-    job_ttl_s: float = 3600.0
-    job_timeout_s: float = 600.0
-    result_ttl_s: int = 86400
     sse_keepalive_s: float = 15.0
-    webhook_allow_private: bool = False  # webhook URLs on private/loopback addresses (the webhook worker's setting too)
     shutdown_grace_s: float = 10.0  # after SIGTERM: how long open streams may go on before they are closed
-    log_level: str = "INFO"
     usage_metrics_tenants: int = 20  # tenants (first by name) with their own `tenant` label on /metrics; rest: other
     # --- Batch API ---
     files_url: str = "ferry-files"  # where files live: file:///dir, a local path, or s3://bucket/prefix

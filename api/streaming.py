@@ -24,8 +24,8 @@ import anyio
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields, seq_of_stream_id
-from worker.protocol.connect import is_cluster
+from ferry.worker.common.connect import is_cluster
+from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields, seq_of_stream_id
 
 log = logging.getLogger("ferry.api")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily
 
-from worker.protocol import Keys
-from worker.protocol.usage import day_of
+from ferry.worker.protocol import Keys
+from ferry.worker.protocol.usage import day_of
 
 COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
 OTHER_TENANTS = "other"

@@ -81,7 +81,7 @@ def _free_port() -> int:
 
 
 def _default_model() -> Path:
-    from worker.tools.demo_model import make_demo_model
+    from ferry.worker.tools.demo_model import make_demo_model
 
     directory = REPO / ".ferry" / "bench-models" / "demo"
     return directory if (directory / "config.json").is_file() else make_demo_model(directory)
@@ -126,7 +126,7 @@ def start_stack(model: Path, args: argparse.Namespace) -> Stack:
 
     def start(name: str, *cmd: str) -> subprocess.Popen:
         log = (logs / f"{name}.log").open("w")
-        return subprocess.Popen([sys.executable, "-m", "worker.cli", *cmd], cwd=REPO, env=env, stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "ferry.worker.cli", *cmd], cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
 
     stack = Stack(f"http://127.0.0.1:{port}", start("api", "api", "--host", "127.0.0.1", "--port", str(port)),

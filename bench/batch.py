@@ -39,7 +39,7 @@ import redis
 from bench.api import MODEL_NAME, WORDS, _default_model, start_stack
 from bench.common import percentiles, write_result
 from bench.plots import plot_batch
-from worker.protocol import Keys
+from ferry.worker.protocol import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 

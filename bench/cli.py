@@ -54,7 +54,7 @@ SUITES = {
         Suite("cold_start", "bench.cold_start", ("--quick",), needs="redis"),
         Suite("redis_capacity", "bench.redis_capacity", ("--quick",), needs="redis"),
         Suite("structured", "bench.structured", ("--tokens", "32", "--batches", "1,8")),
-        Suite("kernels", "kernels.bench", ("--quick",), needs="cuda", takes_model=False),
+        Suite("kernels", "bench.kernels", ("--quick",), needs="cuda", takes_model=False),
         Suite("linear_cpu", "bench.linear_cpu", ("--rows", "1,32,512", "--repeats", "2"), takes_model=False),
         Suite("quantized_linear", "bench.quantized_linear", ("--rows", "1,32", "--repeats", "2"), takes_model=False),
         Suite("quantized", "bench.quantized", ("--quick",), takes_model=False),

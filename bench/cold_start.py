@@ -70,7 +70,7 @@ def start_once(model: str, cache_dir: Path, redis_url: str, timeout_s: float) ->
                FERRY_DRAIN_TIMEOUT_S="0")
     with tempfile.TemporaryFile("w+") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "ferry.worker.cli", "worker"], cwd=REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)
         try:
             while not _ready(port):

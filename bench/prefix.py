@@ -104,7 +104,7 @@ def _default_model() -> Path:
 
 def _ttfts(engine, prompts: list[list[int]]) -> list[dict]:
     """Send prompts one after another; TTFT (s) and cached tokens of each."""
-    from worker.engine import SamplingParams
+    from ferry.worker.engine import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     rows = []
@@ -149,7 +149,7 @@ def _interleaved(engines: dict[str, object], prompts: list[list[int]]) -> dict[s
 
 
 def shared_prefix(model: str, system: list[int], users: list[list[int]], engine_kwargs: dict) -> dict:
-    from worker.engine import Engine
+    from ferry.worker.engine import Engine
 
     prompts = [system + u for u in users]
     # Room for the running request plus the cached system prompt and a few turns.
@@ -175,8 +175,8 @@ def shared_prefix(model: str, system: list[int], users: list[list[int]], engine_
 
 
 def cold_start(model: str, system: list[int], users: list[list[int]], engine_kwargs: dict) -> dict:
-    from worker.engine import Engine
-    from worker.snapshots import restore_snapshot, save_snapshot
+    from ferry.worker.engine import Engine
+    from ferry.worker.snapshots import restore_snapshot, save_snapshot
 
     kv_bytes = _kv_bytes_for(model, 4 * (len(system) + len(users[0])), engine_kwargs["dtype"])
     with tempfile.TemporaryDirectory(prefix="ferry-bench-snapshot-") as tmp:
@@ -210,8 +210,8 @@ def cold_start(model: str, system: list[int], users: list[list[int]], engine_kwa
 
 
 def restore_vs_recompute(model: str, vocab: int, gib: float, dtype: str, rng: random.Random) -> dict:
-    from worker.engine import Engine, SamplingParams
-    from worker.snapshots import load_snapshot, save_snapshot
+    from ferry.worker.engine import Engine, SamplingParams
+    from ferry.worker.snapshots import load_snapshot, save_snapshot
 
     max_positions = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
     chunk = min(2048, max_positions - 16)  # tokens per prompt that fills the cache

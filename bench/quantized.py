@@ -102,7 +102,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def ferry_run(llm, prompts: list[str], tokens: int) -> tuple[float, list[list[int]]]:
-    from worker.engine import SamplingParams
+    from ferry.worker.engine import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -145,8 +145,8 @@ def llama_cpp_run(python: Path, model: Path, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     torch.set_num_threads(args.threads)
-    from worker.engine import LLM
-    from worker.models.bundled import smollm2_gguf_path
+    from ferry.worker.engine import LLM
+    from ferry.worker.models.bundled import smollm2_gguf_path
 
     model = Path(args.model) if args.model else smollm2_gguf_path()
     batch_prompts = [f"{i + 1}. {PROMPT}" for i in range(args.batch)]

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from bench.common import write_result
 from bench.linear_cpu import LAYERS, SHAPES
 from bench.models import SMOLLM2_135M
-from kernels.cpu import native as cpu_native
-from kernels.cpu.quantized import BLOCK, FORMATS, QuantizedWeight, pack_quantized_weight
+from ferry.kernels.cpu import native as cpu_native
+from ferry.kernels.cpu.quantized import BLOCK, FORMATS, QuantizedWeight, pack_quantized_weight
 
 QTYPES = ("Q8_0", "Q4_1", "Q4_0")
 HEAD = (SMOLLM2_135M["hidden_size"], SMOLLM2_135M["vocab_size"])  # (in, out)

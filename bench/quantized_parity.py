@@ -55,7 +55,7 @@ HELD_OUT = (
 
 def perplexity(llm, text: str) -> float:
     """exp(mean negative log-likelihood) of `text` in one prefill, through the engine's runner."""
-    from worker.engine.model_runner import SeqChunk
+    from ferry.worker.engine.model_runner import SeqChunk
 
     eng = llm.engine
     ids = eng.encode(text)
@@ -66,8 +66,8 @@ def perplexity(llm, text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from worker.engine import LLM, SamplingParams
-    from worker.models.bundled import smollm2_gguf_path
+    from ferry.worker.engine import LLM, SamplingParams
+    from ferry.worker.models.bundled import smollm2_gguf_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         for i, (x, y) in enumerate(zip(outputs["gguf"], outputs["none"], strict=True))
         if x != y
     }
-    from kernels.cpu import native
+    from ferry.kernels.cpu import native
 
     module = native.load()
     result = {

@@ -95,7 +95,7 @@ def _summary(ttfts: list[float], tokens: int, seconds: float, **extra) -> dict:
 
 
 def run_direct(engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    from worker.engine import SamplingParams
+    from ferry.worker.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     run = uuid.uuid4().hex[:8]
@@ -120,13 +120,13 @@ class QueueClient:
     def __init__(self, redis_url: str, prefix: str) -> None:
         import redis
 
-        from worker.protocol import Keys
+        from ferry.worker.protocol import Keys
 
         self.client = redis.Redis.from_url(redis_url, decode_responses=True)
         self.keys = Keys(prefix)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        from worker.protocol import JobRequest, enqueue_jobs, new_job_id
+        from ferry.worker.protocol import JobRequest, enqueue_jobs, new_job_id
 
         ids = [new_job_id() for _ in prompts]
         first: dict[str, float] = {}
@@ -204,8 +204,8 @@ def start_worker(
     if threads:
         env["FERRY_TORCH_THREADS"] = str(threads)
     env.update(extra_env or {})
-    return subprocess.Popen([sys.executable, "-m", "worker.serve.main"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"))
+    return subprocess.Popen([sys.executable, "-m", "ferry.worker.serve.main"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
 def _wait_ready(client, keys, worker_id: str, proc: subprocess.Popen, log: Path) -> None:
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
 
-    from worker.engine import Engine
+    from ferry.worker.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -312,7 +312,7 @@ def _default_model(quick: bool) -> Path:
         from bench.models import smollm2
 
         return smollm2()
-    from worker.tools.demo_model import make_demo_model
+    from ferry.worker.tools.demo_model import make_demo_model
 
     directory = Path(".ferry/bench-models/demo")
     return directory if (directory / "config.json").is_file() else make_demo_model(directory)

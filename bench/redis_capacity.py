@@ -47,7 +47,7 @@ from bench import redis_cluster
 from bench.common import write_result
 from bench.queue import _default_model, _prompts, _wait_ready, start_worker
 from bench.redis_server import BENCH_KEYS, benchmark_argv, emit_like, start_redis
-from worker.protocol import TERMINAL_EVENT_TYPES, JobRequest, Keys, enqueue_jobs, new_job_id
+from ferry.worker.protocol import TERMINAL_EVENT_TYPES, JobRequest, Keys, enqueue_jobs, new_job_id
 
 FLEETS = (10, 100, 1000)
 

@@ -55,10 +55,10 @@ import redis
 from bench.common import percentiles
 from bench.queue import _prompts, _wait_ready, start_worker
 from bench.redis_server import BENCH_KEYS, PIPELINE, benchmark_argv, emit_like, start_redis
-from worker.protocol import TERMINAL_EVENT_TYPES, JobRequest, Keys, enqueue_jobs, lua, new_job_id
-from worker.protocol.connect import connect, is_cluster
-from worker.protocol.queue import _enqueue_call
-from worker.tools.local_cluster import LocalCluster
+from ferry.worker.common.connect import connect, is_cluster
+from ferry.worker.protocol import TERMINAL_EVENT_TYPES, JobRequest, Keys, enqueue_jobs, lua, new_job_id
+from ferry.worker.protocol.queue import _enqueue_call
+from ferry.worker.tools.local_cluster import LocalCluster
 
 SHARD_COUNTS = (1, 3)
 PRIMARIES = 3

@@ -93,7 +93,7 @@ def resolve_models(model: str, draft: str | None, needs_draft: bool = True) -> t
     Without `needs_draft`, the target alone: any model name the engine resolves (a bundled name,
     a GGUF), and no draft."""
     if not needs_draft:
-        from worker.models.loader import resolve_model_path
+        from ferry.worker.models.loader import resolve_model_path
 
         return resolve_model_path(model, REPO / ".ferry" / "models"), None, "pretrained"
     target = Path(model)
@@ -107,7 +107,7 @@ def resolve_models(model: str, draft: str | None, needs_draft: bool = True) -> t
 
 def _random_pair(target: Path, draft: Path) -> tuple[Path, Path]:
     if not (target / "config.json").is_file():
-        from worker.tools.demo_model import make_demo_model
+        from ferry.worker.tools.demo_model import make_demo_model
 
         make_demo_model(target, hidden_size=192, num_layers=6)
     if not (draft / "config.json").is_file():
@@ -145,7 +145,7 @@ def prompts_for(workload: str, texts: list[str]) -> list[str]:
 
 
 def run_once(engine, prompts: list[str], tokens: int) -> dict:
-    from worker.engine import SamplingParams
+    from ferry.worker.engine import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     before = engine.stats().spec_decode
@@ -205,7 +205,7 @@ def _bound(baseline: dict, system: dict, k: int) -> float | None:
 
 def engine_for(system: str, target: Path, draft: Path | None, k: int, max_len: int, every_step: bool,
                disable_by_batch_size: int | None = None):
-    from worker.engine import Engine
+    from ferry.worker.engine import Engine
 
     spec = {
         "baseline": None,

@@ -55,8 +55,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from worker.engine import LLM, SamplingParams, StructuredOutputs, sampler
-    from worker.models.bundled import smollm2_gguf_path
+    from ferry.worker.engine import LLM, SamplingParams, StructuredOutputs, sampler
+    from ferry.worker.models.bundled import smollm2_gguf_path
 
     llm = LLM(str(args.model or smollm2_gguf_path()), max_num_seqs=64)
     engine = llm.engine

@@ -63,7 +63,7 @@ class _AllReduceClock:
 
 
 def _run(engine, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    from worker.engine import SamplingParams
+    from ferry.worker.engine import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch)
@@ -99,7 +99,7 @@ def main() -> None:
     if args.quick:
         args.tokens, args.repeats = 16, 1
     torch.set_num_threads(1)  # the engine's process, and so each rank it spawns
-    from worker.engine import Engine
+    from ferry.worker.engine import Engine
 
     model_dir = _model()
     batches = [int(b) for b in args.batches.split(",")]

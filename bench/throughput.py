@@ -102,7 +102,7 @@ def batch1_over_floor(model_dir, pairs: int = 120, context: int = 256) -> dict:
     is the figure."""
     import torch
 
-    from worker.engine import Engine, SamplingParams
+    from ferry.worker.engine import Engine, SamplingParams
 
     engine = Engine(str(model_dir), kv_cache_bytes=64 << 20, max_model_len=context + pairs + 64)
     tensors = _weights_a_step_reads(engine.runner.model)
@@ -153,7 +153,7 @@ def run_sweep(model_dir, work: Workload, levels: list[int]) -> list[dict]:
 
 
 def run_ferry(model_dir, work: Workload, max_num_seqs: int, bar: tqdm) -> SystemResult:
-    from worker.engine import Engine, SamplingParams
+    from ferry.worker.engine import Engine, SamplingParams
 
     engine = Engine(str(model_dir), max_num_seqs=max_num_seqs)
     used_slots, allocated_slots, peak_blocks = [], [], 0

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the backends import this module; their plan types are named here for readers only
-    from kernels.cpu.native import ShortQueryPlan
-    from kernels.reference import GatherPlan
-    from kernels.triton.paged_attention_kernel import TritonPlan
+    from ferry.kernels.cpu.native import ShortQueryPlan
+    from ferry.kernels.reference import GatherPlan
+    from ferry.kernels.triton.paged_attention_kernel import TritonPlan
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from ferry.kernels.metadata import AttentionMetadata
 
 # Decode sequences are padded to the longest one in their bucket; a new bucket starts when a
 # sequence is this much longer (in blocks) than the bucket's shortest, which bounds the padding.

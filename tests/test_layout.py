@@ -1,6 +1,7 @@
-"""The code's shape: no import cycle anywhere, dependencies pointing one way, a torch-free API.
+"""The code's shape: no import cycle anywhere, dependencies pointing one way, a torch-free API,
+one `ferry` namespace that leaves Hugging Face's `kernels` alone.
 
-Imports are read with `ast` from every module of worker/, api/ and kernels/ (module level and
+Imports are read with `ast` from every module of the `ferry` namespace (module level and
 inside functions alike: a lazy import is still a dependency). An edge goes to the most specific
 project module an import names; a package's own `__init__` re-exporting its submodules is not a
 cycle, so the implicit import of parent packages is not counted.
@@ -16,29 +17,45 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("worker", "api", "kernels")
+
+
+def _sources() -> dict[str, str]:
+    """setup.py's SOURCES: package name -> its folder (the one place that says it)."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SOURCES")
+    return ast.literal_eval(node.value)
+
+
+SOURCES = _sources()
 
 # Package -> the project packages it may import (its own always). The direction of the layers:
-# api -> worker.protocol; worker.serve -> engine, snapshots, protocol; snapshots -> engine;
-# engine -> models, kernels (and the sampling limits of the wire); kernels -> nothing of ours.
+# common <- protocol (the wire) <- api, serve, webhooks, autoscaler; serve -> engine, snapshots;
+# snapshots -> engine; engine -> models, kernels (and the sampling limits of the wire);
+# kernels -> nothing of ours; tools (`ferry up`, `ferry generate`) sit on top.
 ALLOWED = {
-    "kernels": set(),
-    "worker.models": {"kernels"},
-    "worker.engine": {"worker.models", "kernels", "worker.protocol.sampling"},
-    "worker.protocol": set(),
-    "worker.snapshots": {"worker.engine", "worker.models", "worker.protocol.objectstore"},
-    "worker.serve": {"worker.engine", "worker.snapshots", "worker.protocol", "worker.models"},
-    "worker.webhooks": {"worker.protocol"},
-    "api": {"worker.protocol"},
+    "ferry.kernels": set(),
+    "ferry.worker.common": set(),
+    "ferry.worker.protocol": {"ferry.worker.common"},
+    "ferry.worker.models": {"ferry.kernels"},
+    "ferry.worker.engine": {"ferry.worker.models", "ferry.kernels", "ferry.worker.protocol.sampling"},
+    "ferry.worker.snapshots": {"ferry.worker.engine", "ferry.worker.models", "ferry.worker.common.objectstore"},
+    "ferry.worker.serve": {"ferry.worker.engine", "ferry.worker.snapshots", "ferry.worker.protocol",
+                           "ferry.worker.models", "ferry.worker.common"},
+    "ferry.worker.webhooks": {"ferry.worker.protocol", "ferry.worker.common"},
+    "ferry.worker.tools": {"ferry.worker.engine", "ferry.worker.models", "ferry.worker.serve",
+                           "ferry.worker.webhooks", "ferry.worker.protocol", "ferry.worker.common"},
+    "ferry.worker.cli": set(),  # imports each command's module by name, at run time
+    "ferry.api": {"ferry.worker.protocol", "ferry.worker.common"},
+    "ferry.autoscaler": {"ferry.worker.protocol", "ferry.worker.common"},
 }
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for root in ROOTS:
-        for path in (REPO / root).rglob("*.py"):
-            parts = path.relative_to(REPO).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    for package, folder in SOURCES.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            name = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
             found[name] = path
     return found
 
@@ -129,8 +146,9 @@ def _layer(module: str) -> str | None:
 
 
 def test_the_graph_sees_every_package():
-    assert {"worker.engine.engine", "worker.serve.main", "api.main", "kernels", "worker.protocol.jobs"} <= set(GRAPH)
-    assert "worker.engine.kv_cache" in GRAPH["worker.engine.scheduler"]
+    assert {"ferry.worker.engine.engine", "ferry.worker.serve.main", "ferry.api.main", "ferry.kernels.ops",
+            "ferry.worker.protocol.jobs", "ferry.autoscaler.cli", "ferry.worker.common.connect"} <= set(GRAPH)
+    assert "ferry.worker.engine.kv_cache" in GRAPH["ferry.worker.engine.scheduler"]
 
 
 def test_no_import_cycles():
@@ -154,7 +172,7 @@ def test_dependencies_point_one_way(layer):
     assert wrong == []
 
 
-@pytest.mark.parametrize("module", ["api.main", "worker.protocol"])
+@pytest.mark.parametrize("module", ["ferry.api.main", "ferry.worker.protocol"])
 def test_the_api_and_the_wire_never_import_torch(module):
     code = f"import sys, {module}; sys.exit(3 if 'torch' in sys.modules else 0)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -169,11 +187,10 @@ def _third_party(path: Path) -> set[str]:
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             names.add(node.module.split(".")[0])
-    return {n for n in names if n not in sys.stdlib_module_names and n not in ROOTS and n != "__future__"}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("ferry", "__future__")}
 
 
 def test_kernels_import_only_torch_and_triton():
-    # kernels.bench is the kernels' command-line benchmark (a progress bar), not code the engine imports.
-    used = {name for module, path in MODULES.items() if _layer(module) == "kernels" and module != "kernels.bench"
+    used = {name for module, path in MODULES.items() if _layer(module) == "ferry.kernels"
             for name in _third_party(path)}
     assert used <= {"torch", "triton"}, used

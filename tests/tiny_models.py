@@ -20,7 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from worker.tools.demo_model import byte_level_bpe
+from ferry.worker.tools.demo_model import byte_level_bpe
 
 CORPUS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",

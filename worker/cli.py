@@ -1,25 +1,30 @@
 """The `ferry` command: one entry point, one subcommand per process or tool.
 
 Each subcommand lives in its own module as `main(argv) -> int` and is imported only when
-run, so `ferry api` never imports torch and `ferry worker` never imports FastAPI.
+run, so `ferry api` never imports torch and `ferry worker` never imports FastAPI. `ferry bench`
+runs the checkout's `bench/` (benchmarks are not part of the installed package).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository, when Ferry runs from one (editable install)
 
 # name -> (module, function, one-line help)
 COMMANDS = {
-    "generate": ("worker.tools.generate", "main", "generate completions offline with the engine (LLM.generate)"),
-    "worker": ("worker.serve.main", "main", "run a worker: Redis Streams in, tokens out"),
-    "api": ("api.main", "main", "run the HTTP API (FastAPI + uvicorn)"),
-    "webhooks": ("worker.webhooks.cli", "main", "run the Celery worker that delivers signed webhooks"),
-    "up": ("worker.tools.up", "main", "run the whole stack on this machine (--demo streams a few completions)"),
-    "snapshot": ("worker.snapshots.cli", "main", "save, load or inspect prefix-cache snapshots"),
-    "autoscale": ("infra.autoscaler", "main", "compute and publish the desired worker count from queue backlog"),
+    "generate": ("ferry.worker.tools.generate", "main", "generate completions offline with the engine (LLM.generate)"),
+    "worker": ("ferry.worker.serve.main", "main", "run a worker: Redis Streams in, tokens out"),
+    "api": ("ferry.api.main", "main", "run the HTTP API (FastAPI + uvicorn)"),
+    "webhooks": ("ferry.worker.webhooks.cli", "main", "run the Celery worker that delivers signed webhooks"),
+    "up": ("ferry.worker.tools.up", "main", "run the whole stack on this machine (--demo streams a few completions)"),
+    "snapshot": ("ferry.worker.snapshots.cli", "main", "save, load or inspect prefix-cache snapshots"),
+    "autoscale": ("ferry.autoscaler", "main", "compute and publish the desired worker count from queue backlog"),
     "bench": ("bench.cli", "main", "run benchmark suites and write JSON + plots to bench/results/"),
 }
+CHECKOUT_ONLY = {"bench"}  # top-level packages of the repository that are not installed
 
 
 def _usage() -> str:
@@ -38,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferry: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, function, _ = COMMANDS[name]
+    checkout_package = module_name.partition(".")[0]
+    if checkout_package in CHECKOUT_ONLY:
+        if not (CHECKOUT / checkout_package).is_dir():
+            print(f"ferry: {name!r} runs from a checkout of Ferry's repository (its {checkout_package}/ folder)",
+                  file=sys.stderr)
+            return 2
+        if str(CHECKOUT) not in sys.path:
+            sys.path.insert(0, str(CHECKOUT))
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -15,13 +15,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse
 
-from api.auth import admin
-from api.errors import ApiError
-from api.routes.jobs import job_view
-from api.schemas import error_responses
-from api.services import Services, services, submit
-from worker.protocol import JobRecord, UnreadableRecord
-from worker.protocol.jobs import JOB_ID_PATTERN
+from ferry.api.auth import admin
+from ferry.api.errors import ApiError
+from ferry.api.routes.jobs import job_view
+from ferry.api.schemas import error_responses
+from ferry.api.services import Services, services, submit
+from ferry.worker.protocol import JobRecord, UnreadableRecord
+from ferry.worker.protocol.jobs import JOB_ID_PATTERN
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[Depends(admin)])
 Svc = Annotated[Services, Depends(services)]

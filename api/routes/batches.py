@@ -13,13 +13,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, Field
 
-from api.auth import tenant
-from api.batches import BATCH_ID_PATTERN, ENDPOINTS, WINDOW_S, batch_json, new_batch_id
-from api.errors import ApiError, not_found
-from api.files import get_record
-from api.schemas import error_responses
-from api.services import Services, check_webhook_url, services
-from worker.protocol import lua
+from ferry.api.auth import tenant
+from ferry.api.batches import BATCH_ID_PATTERN, ENDPOINTS, WINDOW_S, batch_json, new_batch_id
+from ferry.api.errors import ApiError, not_found
+from ferry.api.files import get_record
+from ferry.api.schemas import error_responses
+from ferry.api.services import Services, check_webhook_url, services
+from ferry.worker.protocol import lua
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 

@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
-from api.auth import tenant
-from api.errors import ApiError
-from api.files import (
+from ferry.api.auth import tenant
+from ferry.api.errors import ApiError
+from ferry.api.files import (
     FILE_ID_PATTERN,
     delete_file,
     get_record,
@@ -20,9 +20,9 @@ from api.files import (
     store_upload,
     stream_content,
 )
-from api.schemas import error_responses
-from api.services import Services, services
-from worker.protocol.objectstore import ObjectStore
+from ferry.api.schemas import error_responses
+from ferry.api.services import Services, services
+from ferry.worker.common.objectstore import ObjectStore
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

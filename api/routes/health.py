@@ -10,9 +10,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from api.errors import ApiError
-from api.schemas import error_responses
-from api.services import Services, live_models, services
+from ferry.api.errors import ApiError
+from ferry.api.schemas import error_responses
+from ferry.api.services import Services, live_models, services
 
 router = APIRouter(tags=["health"])
 Svc = Annotated[Services, Depends(services)]

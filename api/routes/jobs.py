@@ -12,11 +12,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from api.auth import tenant
-from api.errors import ApiError
-from api.joblist import list_jobs
-from api.ratelimit import admit_jobs
-from api.schemas import (
+from ferry.api.auth import tenant
+from ferry.api.errors import ApiError
+from ferry.api.joblist import list_jobs
+from ferry.api.ratelimit import admit_jobs
+from ferry.api.schemas import (
     JobCreate,
     JobErrorInfo,
     JobList,
@@ -26,9 +26,9 @@ from api.schemas import (
     WebhookDelivery,
     error_responses,
 )
-from api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
-from api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse
-from worker.protocol import (
+from ferry.api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
+from ferry.api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse
+from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
     JobRecord,
@@ -36,7 +36,7 @@ from worker.protocol import (
     JobState,
     encode_event,
 )
-from worker.protocol.jobs import JOB_ID_PATTERN
+from ferry.worker.protocol.jobs import JOB_ID_PATTERN
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

@@ -20,9 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from api.auth import tenant
-from api.errors import ApiError, error_body
-from api.openai_schemas import (
+from ferry.api.auth import tenant
+from ferry.api.errors import ApiError, error_body
+from ferry.api.openai_schemas import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -33,11 +33,11 @@ from api.openai_schemas import (
     lane,
     sse_200,
 )
-from api.ratelimit import admit_jobs
-from api.schemas import error_responses
-from api.services import Services, cancel_job, check_against_model, refund, resolve_model, services, submit
-from api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
-from worker.protocol import (
+from ferry.api.ratelimit import admit_jobs
+from ferry.api.schemas import error_responses
+from ferry.api.services import Services, cancel_job, check_against_model, refund, resolve_model, services, submit
+from ferry.api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
+from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     ErrorCode,
     Event,
@@ -45,8 +45,8 @@ from worker.protocol import (
     TokenLogprob,
     Usage,
 )
-from worker.protocol.sampling import SAMPLING_LIMITS
-from worker.protocol.tools import ChatDelta, ToolCall
+from ferry.worker.protocol.sampling import SAMPLING_LIMITS
+from ferry.worker.protocol.tools import ChatDelta, ToolCall
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

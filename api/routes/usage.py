@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from api.auth import tenant
-from api.schemas import error_responses
-from api.services import Services, services
-from api.usage import read_usage
-from worker.protocol.usage import USAGE_DAYS_KEPT
+from ferry.api.auth import tenant
+from ferry.api.schemas import error_responses
+from ferry.api.services import Services, services
+from ferry.api.usage import read_usage
+from ferry.worker.protocol.usage import USAGE_DAYS_KEPT
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 

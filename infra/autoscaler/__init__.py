@@ -4,6 +4,6 @@
 tick together, `simulate` replays traces, `cli.main(argv)` is the command.
 """
 
-from infra.autoscaler.cli import main
+from ferry.autoscaler.cli import main
 
 __all__ = ["main"]

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from infra.autoscaler.settings import AutoscalerSettings, parse_pairs
+from ferry.autoscaler.settings import AutoscalerSettings, parse_pairs
 
 log = logging.getLogger("ferry.autoscale")
 
@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_loop(settings: AutoscalerSettings, *, dry_run: bool, record: str | None):
-    from infra.autoscaler.loop import AutoscaleLoop
-    from infra.autoscaler.publish import AsgActuator, CloudWatchPublisher, EcsActuator, PrometheusGauges
-    from infra.autoscaler.redis_source import RedisBacklog
-    from worker.protocol.connect import connect
+    from ferry.autoscaler.loop import AutoscaleLoop
+    from ferry.autoscaler.publish import AsgActuator, CloudWatchPublisher, EcsActuator, PrometheusGauges
+    from ferry.autoscaler.redis_source import RedisBacklog
+    from ferry.worker.common.connect import connect
 
     client = connect(settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
                      socket_connect_timeout=2.0, socket_timeout=5.0)
@@ -105,7 +105,7 @@ def _aws_clients(settings: AutoscalerSettings):
 
 
 def _simulate(args: argparse.Namespace, settings: AutoscalerSettings) -> int:
-    from infra.autoscaler import simulate as sim
+    from ferry.autoscaler import simulate as sim
 
     builtin = {"burst": sim.burst_trace, "diurnal": sim.diurnal_trace, "trickle": sim.trickle_trace}
     jobs = builtin[args.simulate]() if args.simulate in builtin else sim.load_jobs_csv(args.simulate)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from infra.autoscaler.policy import Autoscaler, Decision, Observation, ScalePolicy
-from infra.autoscaler.redis_source import RedisBacklog
+from ferry.autoscaler.policy import Autoscaler, Decision, Observation, ScalePolicy
+from ferry.autoscaler.redis_source import RedisBacklog
 
 log = logging.getLogger("ferry.autoscale")
 

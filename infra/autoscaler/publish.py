@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from infra.autoscaler.policy import Decision, Observation
+from ferry.autoscaler.policy import Decision, Observation
 
 
 class PrometheusGauges:

@@ -12,8 +12,8 @@ from collections import Counter
 
 import redis
 
-from infra.autoscaler.policy import Observation
-from worker.protocol import GROUP, Keys
+from ferry.autoscaler.policy import Observation
+from ferry.worker.protocol import GROUP, Keys
 
 LAG_SCAN_CAP = 10_000  # most entries counted one by one when Redis cannot report the lag
 HEARTBEAT_HORIZON_S = 600  # workers not seen for this long are not even looked up

@@ -1,24 +1,18 @@
 """`ferry autoscale` settings: environment variables `FERRY_*` (pydantic-settings).
 
-`redis_url` and `key_prefix` are the same variables the worker and the API read; everything
-the autoscaler alone needs is spelled `FERRY_AUTOSCALE_*`.
+Redis is reached as every process does (`FerrySettings`); everything the autoscaler alone needs
+is spelled `FERRY_AUTOSCALE_*`.
 """
 
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
-from infra.autoscaler.policy import ScalePolicy
-from worker.protocol.connect import RedisTopology
+from ferry.autoscaler.policy import ScalePolicy
+from ferry.worker.common.settings import FerrySettings
 
 
-class AutoscalerSettings(RedisTopology):
-    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "ferry"
-
+class AutoscalerSettings(FerrySettings):
     # Which pools: comma-separated served model names (FERRY_MODEL_NAME of their workers).
     autoscale_models: str = "smollm2-135m-instruct"
     autoscale_interval_s: float = Field(default=15.0, gt=0)

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.autoscaler.policy import Autoscaler, Decision, Observation, ScalePolicy
+from ferry.autoscaler.policy import Autoscaler, Decision, Observation, ScalePolicy
 
 
 @dataclass(slots=True, frozen=True)

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.cpu.quantized import QuantizedWeight
-from kernels.metadata import AttentionMetadata
-from kernels.stack_layer import StackLayer
+from ferry.kernels import reference
+from ferry.kernels.cpu.quantized import QuantizedWeight
+from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.stack_layer import StackLayer
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ to fill the GPU, a third grid axis cuts every context into `num_splits` ranges; 
 writes an unnormalised partial result and `_merge_splits_kernel` combines them. The host
 wrapper `paged_attention` picks tile sizes and the split count from the step's metadata.
 
-The file names end in `_kernel` because `kernels/__init__.py` defines functions with the bare
+The file names end in `_kernel` because `kernels/ops.py` defines functions with the bare
 names (`kernels.paged_attention`); a submodule of the same name would replace them on import.
 """
 
@@ -22,10 +22,10 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.metadata import AttentionMetadata
+from ferry.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 # Split-KV aims for this many programs per streaming multiprocessor ...

@@ -8,6 +8,7 @@ x's dtype, statistics are float32, the normalised row is rounded to x's dtype be
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -9,6 +9,7 @@ how the engine builds `cos_sin_cache`, so one kernel serves them all.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

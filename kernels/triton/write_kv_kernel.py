@@ -7,6 +7,7 @@ One program per token copies all of its KV heads for both K and V. A program who
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 import redis
 
+from ferry.worker.webhooks.signing import new_secret
 from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture the webhook tests use)
-from worker.webhooks.signing import new_secret
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 KEY_A, KEY_B = "sk-ferrytest-tenant-a", "sk-ferrytest-tenant-b"
@@ -59,7 +59,7 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *args], env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "ferry.worker.cli", *args], env=env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 

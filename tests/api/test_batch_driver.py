@@ -10,13 +10,13 @@ import uuid
 import pytest
 import redis.asyncio as aredis
 
-from api.auth import KeyRing
-from api.batch_driver import BatchDriver
-from api.services import ApiMetrics, Services
-from api.settings import ApiSettings
+from ferry.api.auth import KeyRing
+from ferry.api.batch_driver import BatchDriver
+from ferry.api.services import ApiMetrics, Services
+from ferry.api.settings import ApiSettings
+from ferry.worker.common.objectstore import FileStore
+from ferry.worker.protocol import Keys
 from tests.api.conftest import REDIS_URL, delete_prefix, new_prefix
-from worker.protocol import Keys
-from worker.protocol.objectstore import FileStore
 
 pytestmark = pytest.mark.redis
 

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from ferry.worker.webhooks.signing import new_secret, verify
 from tests.api.conftest import (
     KEY_A,
     KEY_B,
@@ -24,7 +25,6 @@ from tests.api.conftest import (
     wait_until,
 )
 from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)
-from worker.webhooks.signing import new_secret, verify
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

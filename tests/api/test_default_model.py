@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
+from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
 from tests.api.conftest import Proc, delete_prefix, free_port, new_prefix, stack_env, wait_until
 from tests.conftest import MODEL_CACHE_DIR
-from worker.models.bundled import SMOLLM2_SERVED_NAME
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -52,7 +52,7 @@ def test_the_default_model_answers_the_capital_of_france(default_stack):
 def test_a_worker_refuses_to_start_on_a_bad_gguf_and_leaves_no_half_conversion(tmp_path):
     """A truncated GGUF: the worker exits 2 with one clear log line naming the problem, before it
     registers anywhere, and the model cache holds nothing."""
-    from worker.models.bundled import smollm2_gguf_path
+    from ferry.worker.models.bundled import smollm2_gguf_path
 
     broken = tmp_path / "broken.gguf"
     with smollm2_gguf_path().open("rb") as f:
@@ -61,7 +61,7 @@ def test_a_worker_refuses_to_start_on_a_bad_gguf_and_leaves_no_half_conversion(t
     prefix = new_prefix()
     env = stack_env(prefix, broken, FERRY_MODEL_CACHE_DIR=str(cache))
     try:
-        done = subprocess.run([sys.executable, "-m", "worker.cli", "worker"], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "ferry.worker.cli", "worker"], env=env, capture_output=True,
                               text=True, timeout=120)
     finally:
         delete_prefix(prefix)

@@ -9,9 +9,9 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
-from api.auth import OPEN_TENANT, KeyRing, hash_key
-from api.main import create_app
-from api.settings import ApiSettings
+from ferry.api.auth import OPEN_TENANT, KeyRing, hash_key
+from ferry.api.main import create_app
+from ferry.api.settings import ApiSettings
 from tests.api.conftest import REDIS_URL, delete_prefix, new_prefix
 
 

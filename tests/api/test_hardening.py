@@ -19,14 +19,14 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.auth import hash_key
-from api.main import create_app
-from api.settings import ApiSettings
+from ferry.api.auth import hash_key
+from ferry.api.main import create_app
+from ferry.api.settings import ApiSettings
+from ferry.worker.common.addresses import RefusedUrl
+from ferry.worker.protocol import CompletedEvent, Keys, Timings, Usage, event_to_fields, new_job_id
+from ferry.worker.webhooks.delivery import resolve_target
 from tests.api.conftest import free_port, new_prefix
 from tests.serve.conftest import REPO, RedisServer, wait_for
-from worker.protocol import CompletedEvent, Keys, Timings, Usage, event_to_fields, new_job_id
-from worker.protocol.addresses import RefusedUrl
-from worker.webhooks.delivery import resolve_target
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
@@ -151,8 +151,8 @@ def test_sigterm_closes_open_streams_within_the_grace_period(private, tmp_path):
     env = {**os.environ, "FERRY_REDIS_URL": private.url, "FERRY_KEY_PREFIX": prefix, "FERRY_MODELS": "tiny",
            "FERRY_SHUTDOWN_GRACE_S": "1", "FERRY_SSE_KEEPALIVE_S": "0.5"}
     log = (tmp_path / "api.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    command = [sys.executable, "-m", "ferry.worker.cli", "api", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _answers(base), 60, "the API to answer")

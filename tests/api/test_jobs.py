@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
+from ferry.worker.protocol import JobRequest, Keys, enqueue_job
 from tests.api.conftest import KEY_B
-from worker.protocol import JobRequest, Keys, enqueue_job
 
 pytestmark = pytest.mark.redis
 

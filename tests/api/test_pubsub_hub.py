@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from api.streaming import PubSubHub
+from ferry.api.streaming import PubSubHub
+from ferry.worker.common.connect import connect, connect_async
 from tests.api.conftest import REDIS_URL
-from worker.protocol.connect import connect, connect_async
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 

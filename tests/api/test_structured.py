@@ -13,10 +13,10 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from api.settings import ApiSettings
+from ferry.api.main import create_app
+from ferry.api.settings import ApiSettings
+from ferry.worker.protocol import Keys
 from tests.api.conftest import KEY_A, MODEL, REDIS_URL, delete_prefix, new_prefix
-from worker.protocol import Keys
 
 pytestmark = pytest.mark.redis
 

@@ -13,11 +13,11 @@ import httpx
 import pytest
 import redis
 
+from ferry.worker.protocol import Envelope, JobRecord, JobRequest, Keys, new_job_id
+from ferry.worker.webhooks.signing import InvalidSignature, new_secret, verify
 from tests.api.conftest import KEY_A, KEY_B, REDIS_URL, Proc, free_port, wait_until
 from tests.api.test_batches import BatchStack, chat_line, upload, wait_final
 from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)
-from worker.protocol import Envelope, JobRecord, JobRequest, Keys, new_job_id
-from worker.webhooks.signing import InvalidSignature, new_secret, verify
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

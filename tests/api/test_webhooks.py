@@ -10,10 +10,10 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from api.settings import ApiSettings
+from ferry.api.main import create_app
+from ferry.api.settings import ApiSettings
+from ferry.worker.webhooks.signing import new_secret, verify
 from tests.api.conftest import MODEL, REDIS_URL, Proc, delete_prefix, new_prefix, stack_env
-from worker.webhooks.signing import new_secret, verify
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -117,6 +117,6 @@ def test_webhook_worker_without_the_allowance_refuses_loopback(tiny_model_factor
 
 def test_ferry_webhooks_refuses_to_start_without_a_secret():
     env = {k: v for k, v in os.environ.items() if k != "FERRY_WEBHOOK_SECRET"}
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "webhooks"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-m", "ferry.worker.cli", "webhooks"], env=env, capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2 and "FERRY_WEBHOOK_SECRET" in done.stderr

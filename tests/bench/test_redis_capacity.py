@@ -8,7 +8,7 @@ from redis.crc import key_slot
 from bench.redis_capacity import shards_needed, solve_costs
 from bench.redis_cluster import _jobs_workload, check_counts, scaling_ratios, ttft_summary
 from bench.redis_server import PIPELINE
-from worker.protocol import Keys
+from ferry.worker.protocol import Keys
 
 
 def _batch(jobs: int, tokens: int, seconds: float, per_job: float, per_token: float, idle: float) -> dict:

@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from worker.protocol import Keys
-from worker.protocol.connect import connect
-from worker.tools.local_cluster import LocalCluster
+from ferry.worker.common.connect import connect
+from ferry.worker.protocol import Keys
+from ferry.worker.tools.local_cluster import LocalCluster
 
 SHARDS = 3
 

@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
+from ferry.worker.protocol import Keys
 from tests.api.conftest import Proc, free_port, stack_env, wait_until
 from tests.api.test_jobs import all_events, sse_events, submit, wait_done
 from tests.cluster.conftest import SHARDS
-from worker.protocol import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

@@ -7,9 +7,9 @@ import time
 import pytest
 from redis.crc import key_slot
 
+from ferry.worker.protocol import JobState, cancel_job, enqueue_job, enqueue_jobs, lua
+from ferry.worker.tools.local_cluster import LocalCluster
 from tests.serve.conftest import greedy
-from worker.protocol import JobState, cancel_job, enqueue_job, enqueue_jobs, lua
-from worker.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.redis
 
@@ -66,8 +66,8 @@ def test_scripts_publish_on_shard_channels_only_on_a_cluster(cclient):
 
 
 def test_a_worker_reads_high_before_normal_before_low_across_shards(cclient, ckeys):
-    from worker.serve.intake import Consumer
-    from worker.serve.settings import WorkerSettings
+    from ferry.worker.serve.intake import Consumer
+    from ferry.worker.serve.settings import WorkerSettings
 
     consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
     consumer.ensure_groups()
@@ -96,8 +96,8 @@ def test_an_idle_worker_blocks_on_every_shard_at_once_and_keeps_room_for_its_rea
     nothing here: the job lands in a shard the first turn does not block on."""
     import threading
 
-    from worker.serve.intake import Consumer
-    from worker.serve.settings import WorkerSettings
+    from ferry.worker.serve.intake import Consumer
+    from ferry.worker.serve.settings import WorkerSettings
 
     consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
     consumer.ensure_groups()
@@ -135,11 +135,11 @@ def test_an_idle_worker_blocks_on_every_shard_at_once_and_keeps_room_for_its_rea
 def test_a_terminal_write_short_of_replicas_is_logged_without_holding_the_publisher(cclient, ckeys, caplog):
     """Each primary has one replica: a check for two times out (3 s) and is logged, while the
     publisher goes on at once (its WAIT runs on a thread of its own)."""
-    from worker.protocol import CompletedEvent, Timings, Usage
-    from worker.serve.intake import Consumer
-    from worker.serve.publisher import Publisher
-    from worker.serve.settings import WorkerSettings
-    from worker.serve.writes import finish
+    from ferry.worker.protocol import CompletedEvent, Timings, Usage
+    from ferry.worker.serve.intake import Consumer
+    from ferry.worker.serve.publisher import Publisher
+    from ferry.worker.serve.settings import WorkerSettings
+    from ferry.worker.serve.writes import finish
 
     consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
     consumer.ensure_groups()

@@ -10,9 +10,7 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from tests.cluster.conftest import SHARDS
-from tests.serve.conftest import wait_for
-from worker.protocol import (
+from ferry.worker.protocol import (
     CompletedEvent,
     JobRequest,
     StartedEvent,
@@ -22,10 +20,12 @@ from worker.protocol import (
     enqueue_job,
     event_to_fields,
 )
-from worker.protocol.keys import watch_value
-from worker.webhooks.relay import Relay
-from worker.webhooks.settings import WebhookSettings
-from worker.webhooks.tasks import make_celery
+from ferry.worker.protocol.keys import watch_value
+from ferry.worker.webhooks.relay import Relay
+from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.tasks import make_celery
+from tests.cluster.conftest import SHARDS
+from tests.serve.conftest import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from ferry.worker.common.connect import connect
+from ferry.worker.protocol import ErrorCode, JobRecord, JobState, Keys, cancel_job, enqueue_job, new_job_id
 from tests.cluster.conftest import SHARDS
 from tests.serve.conftest import (
     assert_seq,
@@ -24,8 +26,6 @@ from tests.serve.conftest import (
     wait_ready,
     wait_terminal,
 )
-from worker.protocol import ErrorCode, JobRecord, JobState, Keys, cancel_job, enqueue_job, new_job_id
-from worker.protocol.connect import connect
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from worker.engine.outputs import RequestMetrics
-from worker.engine.request import Request
-from worker.engine.sampling_params import SamplingParams
+from ferry.worker.engine.outputs import RequestMetrics
+from ferry.worker.engine.request import Request
+from ferry.worker.engine.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
 

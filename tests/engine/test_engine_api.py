@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from worker.engine import LLM, Engine, Resume, SamplingParams
-from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.models.config import UnsupportedModelError
-from worker.models.loader import ModelNotFoundError
+from ferry.worker.engine import LLM, Engine, Resume, SamplingParams
+from ferry.worker.engine.detokenizer import IncrementalDetokenizer
+from ferry.worker.models.config import UnsupportedModelError
+from ferry.worker.models.loader import ModelNotFoundError
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +257,7 @@ def test_a_request_whose_own_processing_raises_fails_alone(llm):
 
 
 def test_stop_token_ids_beyond_the_vocabulary_are_refused(llm):
-    from worker.engine import InvalidSamplingParams
+    from ferry.worker.engine import InvalidSamplingParams
 
     with pytest.raises(InvalidSamplingParams, match="stop_token_ids"):
         llm.engine.add_request("x", [1, 2], SamplingParams(stop_token_ids=[llm.engine.arch.vocab_size]))

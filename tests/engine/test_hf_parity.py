@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.engine import LLM, SamplingParams
+from ferry.worker.engine import LLM, SamplingParams
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 16, 17, 33, 50]  # below, at and past block boundaries
 NEW_TOKENS = 32

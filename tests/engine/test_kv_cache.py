@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ferry.worker.engine.kv_cache import KVCacheManager
 from tests.engine.helpers import make_request
-from worker.engine.kv_cache import KVCacheManager
 
 
 def test_blocks_are_allocated_only_when_a_token_needs_one():

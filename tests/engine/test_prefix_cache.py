@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine import Engine, SamplingParams
-from worker.engine.kv_cache import ROOT_KEY, KVCacheManager, block_key, cache_extra
-from worker.engine.outputs import RequestMetrics
-from worker.engine.request import Request
+from ferry.worker.engine import Engine, SamplingParams
+from ferry.worker.engine.kv_cache import ROOT_KEY, KVCacheManager, block_key, cache_extra
+from ferry.worker.engine.outputs import RequestMetrics
+from ferry.worker.engine.request import Request
 
 BS = 4  # tokens per block in every test here
 REPO = Path(__file__).resolve().parents[2]
@@ -266,7 +266,7 @@ def test_cached_free_count_follows_every_change_of_the_pool():
     through hits on free cached blocks, evictions, releases and snapshot imports."""
     import random
 
-    from worker.engine.kv_cache import CachedBlock
+    from ferry.worker.engine.kv_cache import CachedBlock
 
     def counted(kv: KVCacheManager) -> int:
         return sum(1 for b in kv.free_queue if kv.block_meta[b] is not None)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from ferry.worker.engine.sampler import adjust_logits, sample
 from tests.engine.helpers import make_request
-from worker.engine.sampler import adjust_logits, sample
 
 VOCAB = 50
 

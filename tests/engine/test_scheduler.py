@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.request import RequestStatus
+from ferry.worker.engine.scheduler import Scheduler
 from tests.engine.helpers import make_request
-from worker.engine.kv_cache import KVCacheManager
-from worker.engine.request import RequestStatus
-from worker.engine.scheduler import Scheduler
 
 
 def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, caching=False) -> Scheduler:

@@ -9,11 +9,11 @@ from concurrent.futures import Future
 import jsonschema
 import pytest
 
+from ferry.worker.engine import LLM, Engine, Resume, SamplingParams
+from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.scheduler import Scheduler
+from ferry.worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputs
 from tests.engine.helpers import make_request
-from worker.engine import LLM, Engine, Resume, SamplingParams
-from worker.engine.kv_cache import KVCacheManager
-from worker.engine.scheduler import Scheduler
-from worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputs
 
 _NAME = {"type": "string", "maxLength": 6}
 SCHEMAS = [
@@ -227,7 +227,7 @@ def test_json_numbers_have_bounded_length():
     # Bounded so a model cannot write digits until max_tokens; every int64 and double still fits.
     import xgrammar as xgr
 
-    from worker.engine.structured.manager import _json_grammar
+    from ferry.worker.engine.structured.manager import _json_grammar
 
     grammar = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "array", "items": {"type": "number"}})))
     integers = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "integer"})))

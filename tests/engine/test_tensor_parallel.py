@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from ferry.worker.engine import LLM, EngineConfig, RankFailedError, SamplingParams, TensorParallelError
+from ferry.worker.models.config import ModelArch
+from ferry.worker.models.loader import checkpoint_tensors, load_model
+from ferry.worker.models.sharding import Shard
 from tests.engine.test_hf_parity import _reference
-from worker.engine import LLM, EngineConfig, RankFailedError, SamplingParams, TensorParallelError
-from worker.models.config import ModelArch
-from worker.models.loader import checkpoint_tensors, load_model
-from worker.models.sharding import Shard
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -7,9 +7,9 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from infra.autoscaler.policy import Decision, Observation
-from infra.autoscaler.publish import AsgActuator, CloudWatchPublisher, EcsActuator
-from infra.autoscaler.settings import AutoscalerSettings, parse_pairs
+from ferry.autoscaler.policy import Decision, Observation
+from ferry.autoscaler.publish import AsgActuator, CloudWatchPublisher, EcsActuator
+from ferry.autoscaler.settings import AutoscalerSettings, parse_pairs
 
 pytestmark = pytest.mark.s3  # the marker for tests that need moto's server mode
 

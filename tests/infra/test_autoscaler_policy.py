@@ -2,7 +2,7 @@
 
 import pytest
 
-from infra.autoscaler.policy import Autoscaler, Observation, ScalePolicy
+from ferry.autoscaler.policy import Autoscaler, Observation, ScalePolicy
 
 
 def obs(t: float, lag: int = 0, pending: int = 0, live: int = 0) -> Observation:

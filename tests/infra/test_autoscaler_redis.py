@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from infra.autoscaler import main
-from infra.autoscaler.loop import AutoscaleLoop, read_recording, replay
-from infra.autoscaler.policy import ScalePolicy
-from infra.autoscaler.publish import PrometheusGauges
-from infra.autoscaler.redis_source import RedisBacklog
-from worker.protocol import GROUP, Keys
+from ferry.autoscaler import main
+from ferry.autoscaler.loop import AutoscaleLoop, read_recording, replay
+from ferry.autoscaler.policy import ScalePolicy
+from ferry.autoscaler.publish import PrometheusGauges
+from ferry.autoscaler.redis_source import RedisBacklog
+from ferry.worker.protocol import GROUP, Keys
 
 pytestmark = pytest.mark.redis
 

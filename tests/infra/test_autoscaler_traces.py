@@ -6,8 +6,8 @@ ask to ready (GPU node + image + weights), 8 jobs per worker, a 15 s tick.
 
 import pytest
 
-from infra.autoscaler.policy import ScalePolicy
-from infra.autoscaler.simulate import (
+from ferry.autoscaler.policy import ScalePolicy
+from ferry.autoscaler.simulate import (
     Job,
     PoolModel,
     burst_trace,

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.settings import ApiSettings
-from infra.autoscaler.settings import AutoscalerSettings
+from ferry.api.settings import ApiSettings
+from ferry.autoscaler.settings import AutoscalerSettings
+from ferry.worker.protocol import GROUP, Keys
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.webhooks.settings import WebhookSettings
 from tests.infra.hcl import TERRAFORM
-from worker.protocol import GROUP, Keys
-from worker.serve.settings import WorkerSettings
-from worker.webhooks.settings import WebhookSettings
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 K8S = INFRA / "k8s"

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
+from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.tasks import visibility_timeout_s
 from tests.infra.hcl import TERRAFORM, first, load_dir, module_dirs, one
-from worker.webhooks.settings import WebhookSettings
-from worker.webhooks.tasks import visibility_timeout_s
 
 MODULES = {p.name: load_dir(p) for p in module_dirs()}
 DEV = load_dir(TERRAFORM / "envs" / "dev")

@@ -14,8 +14,8 @@ PROMPT_LENGTHS = [1, 32, 40]
 
 def greedy_tokens(model_dir: str, backend: str, device: str) -> tuple[list[list[int]], int]:
     """Greedy token ids per prompt, and how many times the Triton paged attention ran."""
-    from kernels import triton as triton_ops
-    from worker.engine import LLM, SamplingParams
+    from ferry.kernels import triton as triton_ops
+    from ferry.worker.engine import LLM, SamplingParams
 
     saved = os.environ.get("FERRY_ATTENTION_BACKEND")
     os.environ["FERRY_ATTENTION_BACKEND"] = backend

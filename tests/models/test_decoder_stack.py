@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine import Engine
-from worker.engine.model_runner import SeqChunk
+from ferry.worker.engine import Engine
+from ferry.worker.engine.model_runner import SeqChunk
 
 BLOCK = 16
 

@@ -22,16 +22,16 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ferry.worker.engine import LLM, Engine, SamplingParams
+from ferry.worker.models import gguf_cache
+from ferry.worker.models.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
+from ferry.worker.models.config import UnsupportedModelError
+from ferry.worker.models.gguf import GGUFError
+from ferry.worker.models.gguf_cache import converted_checkpoint, gguf_cache_key
+from ferry.worker.models.loader import ModelNotFoundError, parse_dtype, resolve_model_path, weight_files
+from ferry.worker.snapshots import fingerprint
 from tests.gguf_files import gguf_name, llama_cpp_permute, write_gguf
 from tests.tiny_models import CORPUS
-from worker.engine import LLM, Engine, SamplingParams
-from worker.models import gguf_cache
-from worker.models.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
-from worker.models.config import UnsupportedModelError
-from worker.models.gguf import GGUFError
-from worker.models.gguf_cache import converted_checkpoint, gguf_cache_key
-from worker.models.loader import ModelNotFoundError, parse_dtype, resolve_model_path, weight_files
-from worker.snapshots import fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 24
@@ -218,14 +218,14 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_file, shared_cac
 
 def test_second_load_uses_the_cache_without_reading_the_gguf(gguf_file, tmp_path, monkeypatch, caplog, capsys):
     path, cache = gguf_file("llama", "Q4_1"), tmp_path / "cache"
-    with caplog.at_level("INFO", logger="worker.models.gguf_cache"):
+    with caplog.at_level("INFO", logger="ferry.worker.models.gguf_cache"):
         first = converted_checkpoint(path, cache)
     assert "converting GGUF" in capsys.readouterr().err  # the progress bar
     assert sum("converted in" in r.getMessage() and str(first) in r.getMessage() for r in caplog.records) == 1
     stamps = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
     monkeypatch.setattr(gguf_cache, "read_gguf", mock.Mock(side_effect=AssertionError("GGUF parsed again")))
     caplog.clear()
-    with caplog.at_level("INFO", logger="worker.models.gguf_cache"):
+    with caplog.at_level("INFO", logger="ferry.worker.models.gguf_cache"):
         assert converted_checkpoint(path, cache) == first
         engine = Engine(str(path), model_cache_dir=str(cache), **ENGINE)
     assert engine.model_dir == first
@@ -261,7 +261,7 @@ def test_loser_of_the_rename_uses_the_winners_conversion(gguf_file, tmp_path, mo
             other.append(converted_checkpoint(path, cache))  # the other process, start to finish
 
     monkeypatch.setattr(gguf_cache, "write_checkpoint", write_then_lose_the_race)
-    with caplog.at_level("INFO", logger="worker.models.gguf_cache"):
+    with caplog.at_level("INFO", logger="ferry.worker.models.gguf_cache"):
         result = converted_checkpoint(path, cache)
     assert result == other[0]
     assert any("another process converted it first" in r.getMessage() for r in caplog.records)
@@ -273,7 +273,7 @@ CONVERT_IN_SUBPROCESS = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from worker.models.gguf_cache import converted_checkpoint
+    from ferry.worker.models.gguf_cache import converted_checkpoint
     gguf, cache, ready, go = map(Path, sys.argv[1:])
     ready.touch()
     while not go.exists():

@@ -14,15 +14,15 @@ import math
 import pytest
 import torch
 
-from kernels import QuantizedWeight
+from ferry.kernels.ops import QuantizedWeight
+from ferry.worker.engine import LLM, Engine, EngineConfig, SamplingParams
+from ferry.worker.engine.model_runner import SeqChunk
+from ferry.worker.models.llama import PackedLinear, QuantizedEmbedding
+from ferry.worker.models.quantization import QuantizationError
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.snapshots import fingerprint
 from tests.gguf_files import write_gguf
 from tests.tiny_models import CORPUS
-from worker.engine import LLM, Engine, EngineConfig, SamplingParams
-from worker.engine.model_runner import SeqChunk
-from worker.models.llama import PackedLinear, QuantizedEmbedding
-from worker.models.quantization import QuantizationError
-from worker.serve.settings import WorkerSettings
-from worker.snapshots import fingerprint
 
 NEW_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -25,7 +25,7 @@ def test_demo_and_draft_share_one_tokenizer():
 def test_ferry_greedy_tokens_match_transformers(name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.engine import LLM, SamplingParams
+    from ferry.worker.engine import LLM, SamplingParams
 
     torch.set_num_threads(1)
     path = str(MODELS / name)
@@ -43,7 +43,7 @@ def test_ferry_greedy_tokens_match_transformers(name):
 
 
 def test_chat_template_renders_a_code_prompt():
-    from worker.engine import Engine
+    from ferry.worker.engine import Engine
 
     engine = Engine(str(MODELS / "demo"))
     ids = engine.apply_chat_template(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from redis.crc import key_slot
 
-from worker.protocol import Keys
+from ferry.worker.protocol import Keys
 
 
 def test_every_key_of_a_batch_is_in_one_slot():

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from worker.protocol.key_source import KeySource
+from ferry.worker.common.key_source import KeySource
 
 
 def _entry(key: str, tenant: str) -> str:

@@ -12,7 +12,7 @@ import redis
 import redis.asyncio
 from redis.crc import key_slot
 
-from worker.protocol import (
+from ferry.worker.protocol import (
     CompletedEvent,
     Envelope,
     FailedEvent,

@@ -9,10 +9,10 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from api.openai_schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
-from worker.engine import SamplingParams
-from worker.protocol import JobRequest
-from worker.protocol.sampling import SAMPLING_LIMITS, Limit
+from ferry.api.openai_schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from ferry.worker.engine import SamplingParams
+from ferry.worker.protocol import JobRequest
+from ferry.worker.protocol.sampling import SAMPLING_LIMITS, Limit
 
 # schema -> (how it names the table's fields, the fields of its own that are not sampling fields)
 RENAMED = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from worker.engine import SamplingParams, StructuredOutputs
-from worker.protocol import JobRecord, JobRequest, StructuredOutputsRequest
+from ferry.worker.engine import SamplingParams, StructuredOutputs
+from ferry.worker.protocol import JobRecord, JobRequest, StructuredOutputsRequest
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -10,10 +10,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from worker.protocol import Keys, lua
-from worker.protocol.tenants import KeyConfig, Limits, hash_key
-from worker.protocol.usage import ACCOUNT_FIELDS, account_jobs
-from worker.webhooks.signing import new_secret
+from ferry.worker.common.tenants import KeyConfig, Limits, hash_key
+from ferry.worker.protocol import Keys, lua
+from ferry.worker.protocol.usage import ACCOUNT_FIELDS, account_jobs
+from ferry.worker.webhooks.signing import new_secret
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from worker.protocol import JobRecord, JobRequest, Keys, enqueue_job, event_from_fields
+from ferry.worker.protocol import JobRecord, JobRequest, Keys, enqueue_job, event_from_fields
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,7 +129,7 @@ def start_worker(model_dir: Path, redis_url: str, prefix: str, log_dir: Path, **
     }
     settings.update({k: str(v) for k, v in env.items()})
     log_path = log_dir / f"{worker_id}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "worker.serve.main"], cwd=REPO, env={**os.environ, **settings},
+    proc = subprocess.Popen([sys.executable, "-m", "ferry.worker.serve.main"], cwd=REPO, env={**os.environ, **settings},
                             stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
     return WorkerProc(worker_id, proc, log_path)
 

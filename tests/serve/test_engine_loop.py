@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from worker.engine import LLM, Engine, SamplingParams
-from worker.protocol import ErrorCode, JobRequest
-from worker.serve.engine_loop import BackgroundPacing, EngineLoop
-from worker.serve.intake import JobStart, Streamed
-from worker.serve.metrics import WorkerMetrics
-from worker.serve.writes import Delivery, Finish, HandBack, Progress
+from ferry.worker.engine import LLM, Engine, SamplingParams
+from ferry.worker.protocol import ErrorCode, JobRequest
+from ferry.worker.serve.engine_loop import BackgroundPacing, EngineLoop
+from ferry.worker.serve.intake import JobStart, Streamed
+from ferry.worker.serve.metrics import WorkerMetrics
+from ferry.worker.serve.writes import Delivery, Finish, HandBack, Progress
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Pack my box"
 
@@ -182,7 +182,7 @@ def test_bad_jobs_fail_alone_with_a_stable_code(loop):
 
 @pytest.fixture(scope="module")
 def lane_engine(llama_dir):
-    from worker.protocol import ENGINE_PRIORITY, Priority
+    from ferry.worker.protocol import ENGINE_PRIORITY, Priority
 
     return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256,
                   background_priority=ENGINE_PRIORITY[Priority.low])
@@ -195,7 +195,7 @@ def lane_loop(lane_engine):
 
 def test_a_background_job_hands_its_tokens_over_in_groups_and_keeps_every_one(lane_loop, llama_dir):
     """Its tokens come as one event per group, seqs without gaps, and equal the reference's."""
-    from worker.serve.engine_loop import _BACKGROUND_FLUSH_TOKENS as GROUP
+    from ferry.worker.serve.engine_loop import _BACKGROUND_FLUSH_TOKENS as GROUP
 
     lane_loop.start([job("bg", max_tokens=20, priority="low")], arrived=1)
     writes = until_finished(lane_loop, "bg")

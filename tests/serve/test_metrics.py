@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.engine import Engine, SamplingParams
-from worker.serve.metrics import WorkerMetrics
+from ferry.worker.engine import Engine, SamplingParams
+from ferry.worker.serve.metrics import WorkerMetrics
 
 
 def _samples(metrics: WorkerMetrics) -> dict[tuple[str, tuple], float]:

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import redis
 
-from worker.protocol import (
+from ferry.worker.protocol import (
     CompletedEvent,
     JobRecord,
     JobRequest,
@@ -20,10 +20,10 @@ from worker.protocol import (
     enqueue_job,
     event_from_fields,
 )
-from worker.serve.intake import Consumer
-from worker.serve.publisher import Publisher, PublisherThread
-from worker.serve.settings import WorkerSettings
-from worker.serve.writes import HandBack, Lost, Progress, finish
+from ferry.worker.serve.intake import Consumer
+from ferry.worker.serve.publisher import Publisher, PublisherThread
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.serve.writes import HandBack, Lost, Progress, finish
 
 pytestmark = pytest.mark.redis
 

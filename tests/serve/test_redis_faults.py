@@ -17,6 +17,7 @@ import uuid
 import pytest
 import redis
 
+from ferry.worker.protocol import JobRequest, JobState, Keys, enqueue_job
 from tests.serve.conftest import (
     REPO,
     enqueue,
@@ -26,7 +27,6 @@ from tests.serve.conftest import (
     wait_ready,
     wait_terminal,
 )
-from worker.protocol import JobRequest, JobState, Keys, enqueue_job
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -164,8 +164,8 @@ def test_chaos_redis_restarts_empty_under_80_jobs(private, llama_dir, tmp_path):
     an unknown job)."""
     from fastapi.testclient import TestClient
 
-    from api.main import create_app
-    from api.settings import ApiSettings
+    from ferry.api.main import create_app
+    from ferry.api.settings import ApiSettings
 
     prefix = f"ferrytest-{uuid.uuid4().hex[:8]}"
     workers = [start_worker(llama_dir, private.url, prefix, tmp_path, FERRY_LEASE_S="3",

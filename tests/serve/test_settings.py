@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from worker.engine.config import EngineConfig
-from worker.serve.settings import DEFAULT_MODEL, WorkerSettings
+from ferry.worker.engine.config import EngineConfig
+from ferry.worker.serve.settings import DEFAULT_MODEL, WorkerSettings
 
 
 @pytest.fixture(autouse=True)
@@ -61,16 +61,23 @@ def test_tensor_parallel_size_from_the_environment(clean_env):
 
 
 def test_speculation_is_off_by_default_and_without_a_method(clean_env):
-    clean_env.setenv("FERRY_SPECULATIVE_NUM_TOKENS", "3")
+    clean_env.setenv("FERRY_SPECULATIVE_NUM_SPECULATIVE_TOKENS", "3")
     assert WorkerSettings().engine.speculative is None
 
 
 def test_ngram_settings(clean_env):
     clean_env.setenv("FERRY_SPECULATIVE_METHOD", "ngram")
-    clean_env.setenv("FERRY_SPECULATIVE_NUM_TOKENS", "3")
-    clean_env.setenv("FERRY_SPECULATIVE_NGRAM_MAX", "5")
+    clean_env.setenv("FERRY_SPECULATIVE_NUM_SPECULATIVE_TOKENS", "3")
+    clean_env.setenv("FERRY_SPECULATIVE_PROMPT_LOOKUP_MAX", "5")
     spec = WorkerSettings().engine.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 5)
+
+
+def test_a_misspelt_speculative_setting_is_refused_not_ignored(clean_env):
+    clean_env.setenv("FERRY_SPECULATIVE_METHOD", "ngram")
+    clean_env.setenv("FERRY_SPECULATIVE_NUM_TOKENS", "3")  # the short name of earlier releases
+    with pytest.raises(ValueError, match="unknown setting FERRY_SPECULATIVE_NUM_TOKENS"):
+        WorkerSettings()
 
 
 def test_draft_without_a_model_is_rejected(clean_env):

@@ -14,10 +14,10 @@ import uuid
 import pytest
 import redis
 
+from ferry.worker.protocol import JobState, Keys
+from ferry.worker.serve.main import Worker
+from ferry.worker.serve.settings import WorkerSettings
 from tests.serve.conftest import enqueue, record
-from worker.protocol import JobState, Keys
-from worker.serve.main import Worker
-from worker.serve.settings import WorkerSettings
 
 pytestmark = pytest.mark.redis
 

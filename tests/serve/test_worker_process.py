@@ -17,6 +17,18 @@ import jsonschema
 import pytest
 import redis
 
+from ferry.worker.engine import LLM, SamplingParams
+from ferry.worker.engine.structured import StructuredOutputs
+from ferry.worker.protocol import (
+    ErrorCode,
+    JobRecord,
+    JobState,
+    Keys,
+    cancel_job,
+    decode_event,
+    enqueue_job,
+    new_job_id,
+)
 from tests.serve.conftest import (
     RedisServer,
     WorkerProc,
@@ -31,18 +43,6 @@ from tests.serve.conftest import (
     wait_for,
     wait_ready,
     wait_terminal,
-)
-from worker.engine import LLM, SamplingParams
-from worker.engine.structured import StructuredOutputs
-from worker.protocol import (
-    ErrorCode,
-    JobRecord,
-    JobState,
-    Keys,
-    cancel_job,
-    decode_event,
-    enqueue_job,
-    new_job_id,
 )
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]

@@ -9,6 +9,8 @@ import urllib.request
 import pytest
 import redis
 
+from ferry.worker.engine import LLM, SamplingParams
+from ferry.worker.protocol import JobState, Keys
 from tests.serve.conftest import (
     RedisServer,
     assert_seq,
@@ -20,8 +22,6 @@ from tests.serve.conftest import (
     wait_ready,
     wait_terminal,
 )
-from worker.engine import LLM, SamplingParams
-from worker.protocol import JobState, Keys
 
 pytestmark = pytest.mark.redis
 

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from ferry.worker.engine import LLM, SamplingParams
+from ferry.worker.protocol import JobState, Keys
+from ferry.worker.serve.main import EXIT_ENGINE_FAILED
 from tests.serve.conftest import (
     RedisServer,
     assert_seq,
@@ -22,9 +25,6 @@ from tests.serve.conftest import (
     wait_ready,
     wait_terminal,
 )
-from worker.engine import LLM, SamplingParams
-from worker.protocol import JobState, Keys
-from worker.serve.main import EXIT_ENGINE_FAILED
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

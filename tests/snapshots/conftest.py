@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
+from ferry.worker.engine import Engine
+from ferry.worker.snapshots import SnapshotStats, restore_snapshot
 from tests.snapshots.util import BLOCK_BYTES, BS, free_port
-from worker.engine import Engine
-from worker.snapshots import SnapshotStats, restore_snapshot
 
 
 @pytest.fixture

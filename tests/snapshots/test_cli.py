@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from worker.cli import main as ferry
+from ferry.worker.cli import main as ferry
 
 
 def test_save_inspect_load(llama_dir, tmp_path, capsys):

@@ -8,9 +8,9 @@ import os
 import boto3
 import pytest
 
+from ferry.worker.common.objectstore import FileStore, S3Store, StoreError, open_store
+from ferry.worker.snapshots import POINTER, list_snapshots, save_snapshot
 from tests.snapshots.util import generate
-from worker.protocol.objectstore import FileStore, S3Store, StoreError, open_store
-from worker.snapshots import POINTER, list_snapshots, save_snapshot
 
 pytestmark = pytest.mark.s3
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.snapshots.util import BS, free_port, generate
-from worker.engine.kv_cache import ROOT_KEY, CachedBlock
-from worker.protocol.objectstore import FileStore, StoreError, open_store
-from worker.snapshots import (
+from ferry.worker.common.objectstore import FileStore, StoreError, open_store
+from ferry.worker.engine.kv_cache import ROOT_KEY, CachedBlock
+from ferry.worker.snapshots import (
     POINTER,
     SnapshotCollector,
     SnapshotError,
@@ -23,6 +22,7 @@ from worker.snapshots import (
     save_snapshot,
     select_blocks,
 )
+from tests.snapshots.util import BS, free_port, generate
 
 PROMPT = list(range(7, 47))  # 40 tokens: 10 full blocks of 4
 OTHER = list(range(100, 130))
@@ -41,7 +41,9 @@ def warm_engine(make_engine, *prompts, **kwargs):
 
 def cold_warnings(caplog) -> list[str]:
     return [
-        r.getMessage() for r in caplog.records if r.name == "worker.snapshots.restore" and r.levelno == logging.WARNING
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "ferry.worker.snapshots.restore" and r.levelno == logging.WARNING
     ]
 
 
@@ -68,7 +70,7 @@ def test_round_trip_restores_blocks_kv_and_outputs(make_engine, restored_engine,
 
 
 def test_round_trip_through_llm(llama_dir, url):
-    from worker.engine import LLM, SamplingParams
+    from ferry.worker.engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     kwargs = dict(block_size=BS, kv_cache_bytes=64 * 2048, max_model_len=128)

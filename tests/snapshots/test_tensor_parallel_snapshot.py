@@ -7,9 +7,9 @@ import logging
 
 import torch
 
+from ferry.worker.engine import Engine
+from ferry.worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
 from tests.snapshots.util import BLOCK_BYTES, BS, generate
-from worker.engine import Engine
-from worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
 
 PROMPT = list(range(7, 47))  # 40 tokens: 10 full blocks of 4
 
@@ -53,9 +53,9 @@ def test_saved_at_two_ranks_restores_at_two_and_is_foreign_at_one(llama_dir, tmp
     finally:
         second.close()
 
-    caplog.set_level(logging.WARNING, logger="worker.snapshots.restore")
+    caplog.set_level(logging.WARNING, logger="ferry.worker.snapshots.restore")
     stats = SnapshotStats()
     restore_snapshot(_engine(llama_dir, 1), url, stats)
     assert stats.restores == {"foreign": 1}
-    warnings = [r.getMessage() for r in caplog.records if r.name == "worker.snapshots.restore"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ferry.worker.snapshots.restore"]
     assert len(warnings) == 1 and "tensor_parallel_size 1" in warnings[0]

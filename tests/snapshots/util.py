@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import uuid
 
-from worker.engine import Engine, SamplingParams
+from ferry.worker.engine import Engine, SamplingParams
 
 BS = 4
 BLOCK_BYTES = 2 * 2 * 2 * BS * 16 * 4  # tiny llama: layers x K/V x kv heads x slots x head dim x fp32

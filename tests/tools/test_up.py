@@ -51,7 +51,7 @@ def test_up_demo_answers_questions_with_the_default_model_and_stops_cleanly(tmp_
     """No FERRY_MODEL: SmolLM2-135M-Instruct from the wheel answers through the chat API."""
     prefix = new_prefix()
     try:
-        done = subprocess.run([sys.executable, "-m", "worker.cli", "up", "--demo"], env=up_env(tmp_path, prefix),
+        done = subprocess.run([sys.executable, "-m", "ferry.worker.cli", "up", "--demo"], env=up_env(tmp_path, prefix),
                               capture_output=True, text=True, timeout=280, cwd=tmp_path)
     finally:
         delete_prefix(prefix)
@@ -69,7 +69,7 @@ def test_up_demo_answers_questions_with_the_default_model_and_stops_cleanly(tmp_
 
 def test_up_refuses_a_model_that_is_not_there(tmp_path):
     env = up_env(tmp_path, new_prefix(), FERRY_MODEL=str(tmp_path / "nowhere"))
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "up"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "ferry.worker.cli", "up"], env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 1 and "no model at" in done.stdout + done.stderr
     assert "started api" not in done.stdout
@@ -80,7 +80,7 @@ def test_up_starts_redis_when_none_answers_and_sigterm_stops_everything(tmp_path
     env = up_env(
         tmp_path, new_prefix(), FERRY_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0", FERRY_MODEL=str(llama_dir)
     )
-    up = subprocess.Popen([sys.executable, "-m", "worker.cli", "up"], env=env, cwd=tmp_path,
+    up = subprocess.Popen([sys.executable, "-m", "ferry.worker.cli", "up"], env=env, cwd=tmp_path,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from worker.webhooks.delivery import RefusedUrl, WebhookMessage, attempt_delivery, backoff_s, resolve_target
-from worker.webhooks.signing import verify
+from ferry.worker.webhooks.delivery import RefusedUrl, WebhookMessage, attempt_delivery, backoff_s, resolve_target
+from ferry.worker.webhooks.signing import verify
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 

@@ -13,8 +13,7 @@ import uuid
 import pytest
 import redis
 
-from tests.serve.conftest import REPO, RedisServer, wait_for
-from worker.protocol import (
+from ferry.worker.protocol import (
     CompletedEvent,
     JobRequest,
     Keys,
@@ -25,10 +24,11 @@ from worker.protocol import (
     enqueue_job,
     event_to_fields,
 )
-from worker.protocol.keys import watch_value
-from worker.webhooks.relay import Relay
-from worker.webhooks.settings import WebhookSettings
-from worker.webhooks.tasks import make_celery
+from ferry.worker.protocol.keys import watch_value
+from ferry.worker.webhooks.relay import Relay
+from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.tasks import make_celery
+from tests.serve.conftest import REPO, RedisServer, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from worker.webhooks.signing import InvalidSignature, new_secret, sign, verify
+from ferry.worker.webhooks.signing import InvalidSignature, new_secret, sign, verify
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 

@@ -14,14 +14,23 @@ import boto3
 import pytest
 import redis
 
+from ferry.worker.protocol import (
+    CompletedEvent,
+    JobRequest,
+    Keys,
+    Timings,
+    Usage,
+    Webhook,
+    enqueue_job,
+    event_to_fields,
+)
+from ferry.worker.protocol.keys import watch_value
+from ferry.worker.webhooks.delivery import WebhookMessage
+from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.signing import verify
+from ferry.worker.webhooks.tasks import broker_transport_options, enqueue, make_celery
 from tests.api.conftest import REDIS_URL, Proc, delete_prefix, new_prefix
 from tests.serve.conftest import free_port, wait_for
-from worker.protocol import CompletedEvent, JobRequest, Keys, Timings, Usage, Webhook, enqueue_job, event_to_fields
-from worker.protocol.keys import watch_value
-from worker.webhooks.delivery import WebhookMessage
-from worker.webhooks.settings import WebhookSettings
-from worker.webhooks.signing import verify
-from worker.webhooks.tasks import broker_transport_options, enqueue, make_celery
 
 pytestmark = [pytest.mark.redis, pytest.mark.s3, pytest.mark.timeout(180)]
 
@@ -127,6 +136,6 @@ def test_a_retry_cap_beyond_what_sqs_can_hold_invisible_is_refused_at_start():
         broker_transport_options(settings)
     env = dict(os.environ, **AWS_ENV, FERRY_CELERY_BROKER_URL="sqs://", FERRY_WEBHOOK_RETRY_MAX_S="30000",
                FERRY_WEBHOOK_SECRET=SECRET, FERRY_WEBHOOK_METRICS_PORT="0")
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "webhooks"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-m", "ferry.worker.cli", "webhooks"], env=env, capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2 and "SQS allows at most 43200" in done.stderr

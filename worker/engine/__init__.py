@@ -1,14 +1,14 @@
 """Ferry's inference engine: `LLM` for offline batches, `Engine` for the step API."""
 
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine, EngineStats
-from worker.engine.llm import LLM
-from worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from worker.engine.parallel.group import RankFailedError
-from worker.engine.resume import Resume
-from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from worker.engine.structured import InvalidStructuredOutputError, StructuredOutputs
-from worker.models.sharding import TensorParallelError
+from ferry.worker.engine.config import EngineConfig
+from ferry.worker.engine.engine import Engine, EngineStats
+from ferry.worker.engine.llm import LLM
+from ferry.worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ferry.worker.engine.parallel.group import RankFailedError
+from ferry.worker.engine.resume import Resume
+from ferry.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from ferry.worker.engine.structured import InvalidStructuredOutputError, StructuredOutputs
+from ferry.worker.models.sharding import TensorParallelError
 
 __all__ = [
     "LLM",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from worker.models.quantization import check_quantization_name
+from ferry.worker.models.quantization import check_quantization_name
 
 SPEC_METHODS = ("ngram", "draft")
 

@@ -13,29 +13,29 @@ from dataclasses import dataclass, fields, replace
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.executor import Executor, ParallelExecutor, check_tensor_parallel
-from worker.engine.kv_budget import kv_budget_bytes
-from worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
-from worker.engine.model_runner import ModelRunner, StepOutput
-from worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from worker.engine.parallel.group import RankGroup
-from worker.engine.parallel.wire import RankSpec
-from worker.engine.prefix_io import KV_LAYOUT, KVLayout, PrefixBlocks
-from worker.engine.request import Request
-from worker.engine.resume import Resume
-from worker.engine.sampler import advance_generator
-from worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
-from worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draft
-from worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputManager
-from worker.models.config import ModelArch
-from worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
-from worker.models.quantization import resolve_quantization
-from worker.models.sharding import UNSHARDED, local_arch
-from worker.protocol.sampling import MODEL_DEFAULTS
+from ferry.worker.engine.config import EngineConfig
+from ferry.worker.engine.detokenizer import IncrementalDetokenizer
+from ferry.worker.engine.executor import Executor, ParallelExecutor, check_tensor_parallel
+from ferry.worker.engine.kv_budget import kv_budget_bytes
+from ferry.worker.engine.kv_cache import KVCacheManager, KVUsage, cache_extra
+from ferry.worker.engine.model_runner import ModelRunner, StepOutput
+from ferry.worker.engine.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from ferry.worker.engine.parallel.group import RankGroup
+from ferry.worker.engine.parallel.wire import RankSpec
+from ferry.worker.engine.prefix_io import KV_LAYOUT, KVLayout, PrefixBlocks
+from ferry.worker.engine.request import Request
+from ferry.worker.engine.resume import Resume
+from ferry.worker.engine.sampler import advance_generator
+from ferry.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from ferry.worker.engine.scheduler import Scheduler, SchedulerOutput
+from ferry.worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
+from ferry.worker.engine.spec.proposers import DraftProposer, NgramProposer, load_draft
+from ferry.worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputManager
+from ferry.worker.models.config import ModelArch
+from ferry.worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
+from ferry.worker.models.quantization import resolve_quantization
+from ferry.worker.models.sharding import UNSHARDED, local_arch
+from ferry.worker.protocol.sampling import MODEL_DEFAULTS
 
 log = logging.getLogger(__name__)
 

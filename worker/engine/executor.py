@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from worker.engine.model_runner import ModelRunner, SeqChunk, StepOutput
-from worker.engine.parallel.group import RankFailedError, RankGroup
-from worker.engine.parallel.wire import Op, pack_chunks
-from worker.engine.scheduler import SchedulerOutput
-from worker.models.config import ModelArch
-from worker.models.sharding import Shard, TensorParallelError, check_divisible, holds_kv_heads
+from ferry.worker.engine.model_runner import ModelRunner, SeqChunk, StepOutput
+from ferry.worker.engine.parallel.group import RankFailedError, RankGroup
+from ferry.worker.engine.parallel.wire import Op, pack_chunks
+from ferry.worker.engine.scheduler import SchedulerOutput
+from ferry.worker.models.config import ModelArch
+from ferry.worker.models.sharding import Shard, TensorParallelError, check_divisible, holds_kv_heads
 
 
 def check_tensor_parallel(arch: ModelArch, size: int, device: torch.device, quantization: str | None) -> None:

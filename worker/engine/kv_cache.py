@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from worker.engine.request import Request
+from ferry.worker.engine.request import Request
 
 ROOT_KEY = bytes(32)  # parent key of every chain's first block
 

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from worker.engine.engine import Engine
-from worker.engine.outputs import CompletionOutput, RequestOutput
-from worker.engine.sampling_params import SamplingParams
+from ferry.worker.engine.engine import Engine
+from ferry.worker.engine.outputs import CompletionOutput, RequestOutput
+from ferry.worker.engine.sampling_params import SamplingParams
 
 
 class LLM:

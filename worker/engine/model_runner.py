@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import AttentionMetadata
-from worker.engine.outputs import PositionLogprobs
-from worker.engine.sampler import SamplerOutput, sample
-from worker.engine.scheduler import SchedulerOutput
-from worker.engine.spec.decode import verify
-from worker.models.config import ModelArch
+from ferry.kernels.ops import AttentionMetadata
+from ferry.worker.engine.outputs import PositionLogprobs
+from ferry.worker.engine.sampler import SamplerOutput, sample
+from ferry.worker.engine.scheduler import SchedulerOutput
+from ferry.worker.engine.spec.decode import verify
+from ferry.worker.models.config import ModelArch
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.executor import Executor
-from worker.engine.kv_cache import CachedBlock, KVCacheManager
+from ferry.worker.engine.executor import Executor
+from ferry.worker.engine.kv_cache import CachedBlock, KVCacheManager
 
 # The pool's axes; bump when ModelRunner.kv_cache changes layout (a stored block then no longer fits).
 KV_LAYOUT = "layer,kv,block,kv_head,slot,head_dim"

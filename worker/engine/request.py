@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.engine.outputs import PositionLogprobs, RequestMetrics
-from worker.engine.sampling_params import SamplingParams
+from ferry.worker.engine.outputs import PositionLogprobs, RequestMetrics
+from ferry.worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from worker.engine.structured import GrammarState
+    from ferry.worker.engine.structured import GrammarState
 
 
 @dataclass(slots=True)

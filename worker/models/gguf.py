@@ -40,7 +40,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from worker.models.config import UnsupportedModelError
+from ferry.worker.models.config import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from worker.models.gguf import read_gguf, write_checkpoint
+from ferry.worker.models.gguf import read_gguf, write_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import kernels
-from kernels import AttentionMetadata, QuantizedWeight
-from worker.models.config import ModelArch, rope_cos_sin_cache
-from worker.models.sharding import UNSHARDED, Shard, local_arch
+from ferry.kernels import ops
+from ferry.kernels.ops import AttentionMetadata, QuantizedWeight
+from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
+from ferry.worker.models.sharding import UNSHARDED, Shard, local_arch
 
 
 def _linear(layer: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """The layer's product through the kernel dispatch (a packed layer's through the CPU kernel)."""
-    return kernels.linear(x, layer.weight, layer.bias)
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 class PackedLinear(nn.Module):
@@ -37,7 +37,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         form = self.weight.qtype if isinstance(self.weight, QuantizedWeight) else "packed"
@@ -54,7 +54,7 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("packed", weight.tiles, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return kernels.embedding(input_ids, self.weight)
+        return ops.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.out_features}, {self.weight.in_features}, {self.weight.qtype}"
@@ -106,10 +106,10 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = kernels.rms_norm(q, self.q_norm, self.eps)[0]
-            k = kernels.rms_norm(k, self.k_norm, self.eps)[0]
-        q = kernels.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            q = ops.rms_norm(q, self.q_norm, self.eps)[0]
+            k = ops.rms_norm(k, self.k_norm, self.eps)[0]
+        q = ops.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return _all_reduce(_linear(self.o_proj, out.reshape(num_tokens, self.q_size)), self.shard)
 
 
@@ -125,7 +125,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias and shard.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = _linear(self.down_proj, kernels.silu_and_mul(_linear(self.gate_up_proj, x)))
+        hidden = _linear(self.down_proj, ops.silu_and_mul(_linear(self.gate_up_proj, x)))
         return _all_reduce(hidden, self.shard)
 
 
@@ -140,9 +140,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, cos_sin, k_cache, v_cache, slot_mapping, meta):
         # residual carries the un-normalised stream; rms_norm adds the previous block's output to it.
-        x, residual = kernels.rms_norm(x, self.input_layernorm, self.eps, residual)
+        x, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
         x = self.self_attn(x, positions, cos_sin, k_cache, v_cache, slot_mapping, meta)
-        x, residual = kernels.rms_norm(x, self.post_attention_layernorm, self.eps, residual)
+        x, residual = ops.rms_norm(x, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(x), residual
 
 
@@ -200,12 +200,12 @@ class LlamaModel(nn.Module):
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    packed = kernels.pack_linear_weight(child.weight)
+                    packed = ops.pack_linear_weight(child.weight)
                     if packed is not None:
                         setattr(module, name, PackedLinear(packed, child.bias))
                         count += 1
         head = self.lm_head_weight
-        self.lm_head_packed = kernels.pack_linear_weight(head) if isinstance(head, torch.Tensor) else None
+        self.lm_head_packed = ops.pack_linear_weight(head) if isinstance(head, torch.Tensor) else None
         self.native_stack = self._build_native_stack()
         return count + (self.lm_head_packed is not None)
 
@@ -222,7 +222,7 @@ class LlamaModel(nn.Module):
         if not all(isinstance(p, PackedLinear) for group in projections for p in group):
             return None
         layers = [
-            kernels.StackLayer(
+            ops.StackLayer(
                 input_norm=layer.input_layernorm,
                 post_attention_norm=layer.post_attention_layernorm,
                 q_norm=layer.self_attn.q_norm,
@@ -239,7 +239,7 @@ class LlamaModel(nn.Module):
             for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)
         ]
         attn = self.layers[0].self_attn
-        return kernels.decoder_stack(
+        return ops.decoder_stack(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.arch.rms_norm_eps, attn.scale, self.norm, layers
         )
 
@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         residual = None
-        with kernels.pinned_backend(x) as backend:
+        with ops.pinned_backend(x) as backend:
             if self.native_stack is not None and backend == "cpu":
                 hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta)
                 if hidden is not None:  # a decode / verification step: all layers in one call
@@ -262,8 +262,8 @@ class LlamaModel(nn.Module):
                 x, residual = layer(
                     x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
                 )
-            return kernels.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
+            return ops.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         head = self.lm_head_weight if self.lm_head_packed is None else self.lm_head_packed
-        return kernels.linear(hidden, head).float()
+        return ops.linear(hidden, head).float()

@@ -14,15 +14,15 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kernels import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
-from worker.models.bundled import bundled_model_file
-from worker.models.config import ModelArch, rope_cos_sin_cache
-from worker.models.errors import ModelNotFoundError
-from worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
-from worker.models.gguf_cache import converted_checkpoint
-from worker.models.llama import LlamaModel
-from worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
-from worker.models.sharding import UNSHARDED, Shard, TensorParallelError, checkpoint_index, local_arch
+from ferry.kernels.ops import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.worker.models.bundled import bundled_model_file
+from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
+from ferry.worker.models.errors import ModelNotFoundError
+from ferry.worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
+from ferry.worker.models.gguf_cache import converted_checkpoint
+from ferry.worker.models.llama import LlamaModel
+from ferry.worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
+from ferry.worker.models.sharding import UNSHARDED, Shard, TensorParallelError, checkpoint_index, local_arch
 
 log = logging.getLogger(__name__)
 

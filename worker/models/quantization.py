@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels.cpu.quantized import FORMATS
-from worker.models.gguf import GGUFCheckpoint, read_gguf
+from ferry.kernels.cpu.quantized import FORMATS
+from ferry.worker.models.gguf import GGUFCheckpoint, read_gguf
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from worker.models.config import ModelArch
+from ferry.worker.models.config import ModelArch
 
 
 class TensorParallelError(ValueError):

@@ -10,7 +10,7 @@ a torch-free process; a test checks both).
 - `queue`: the atomic writes of a queue client (enqueue, cancel).
 """
 
-from worker.protocol.events import (
+from ferry.worker.protocol.events import (
     STATE_AFTER_EVENT,
     TERMINAL_EVENT_TYPES,
     CancelledEvent,
@@ -28,7 +28,7 @@ from worker.protocol.events import (
     event_to_fields,
     seq_of_stream_id,
 )
-from worker.protocol.jobs import (
+from ferry.worker.protocol.jobs import (
     ENGINE_PRIORITY,
     PROTOCOL_VERSION,
     TERMINAL_STATES,
@@ -51,8 +51,8 @@ from worker.protocol.jobs import (
     job_id_created_at,
     new_job_id,
 )
-from worker.protocol.keys import GROUP, PRIORITIES, Keys
-from worker.protocol.queue import (
+from ferry.worker.protocol.keys import GROUP, PRIORITIES, Keys
+from ferry.worker.protocol.queue import (
     EnqueueResult,
     cancel_job,
     cancel_job_async,
@@ -61,7 +61,7 @@ from worker.protocol.queue import (
     enqueue_jobs,
     new_job_id_for,
 )
-from worker.protocol.structured import StructuredOutputsRequest
+from ferry.worker.protocol.structured import StructuredOutputsRequest
 
 __all__ = [
     "ENGINE_PRIORITY",

@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from worker.protocol.codec import decoded, text
-from worker.protocol.jobs import JobState, Timings, TokenLogprob, Usage
-from worker.protocol.tools import ChatDelta, ToolCall
+from ferry.worker.protocol.codec import decoded, text
+from ferry.worker.protocol.jobs import JobState, Timings, TokenLogprob, Usage
+from ferry.worker.protocol.tools import ChatDelta, ToolCall
 
 
 class _EventBase(BaseModel):

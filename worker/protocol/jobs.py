@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from worker.protocol.codec import compact_json, decoded
-from worker.protocol.sampling import (
+from ferry.worker.protocol.codec import compact_json, decoded
+from ferry.worker.protocol.sampling import (
     LIMITS,
     LOGIT_BIAS_MAX,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -33,8 +33,8 @@ from worker.protocol.sampling import (
     TOKEN_ID_MAX,
     Limit,
 )
-from worker.protocol.structured import StructuredOutputsRequest
-from worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_tool_choice, forced_tool_schema
+from ferry.worker.protocol.structured import StructuredOutputsRequest
+from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_tool_choice, forced_tool_schema
 
 PROTOCOL_VERSION = 1
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # no ':' or '.': an id never spells another key's name

@@ -28,9 +28,10 @@ from functools import lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
+from ferry.worker.common.settings import MAX_QUEUE_SHARDS
+
 PRIORITIES = ("high", "normal", "low")  # read order: a worker drains `high` before `normal` before `low`
 GROUP = "workers"  # the consumer group every worker of a model joins on its queue streams
-MAX_SHARDS = 256  # queue shards per model: more than a cluster has primaries, with room to grow
 _SHARD_SUFFIX = re.compile(r"-s(\d{1,4})$")  # how a job id names its shard (`new_job_id`)
 
 
@@ -38,8 +39,8 @@ class Keys:
     """Key and channel names under `prefix` (no trailing colon), with `shards` queue shards per model."""
 
     def __init__(self, prefix: str = "ferry", shards: int = 1) -> None:
-        if not 1 <= shards <= MAX_SHARDS:
-            raise ValueError(f"shards must be between 1 and {MAX_SHARDS}, got {shards}")
+        if not 1 <= shards <= MAX_QUEUE_SHARDS:
+            raise ValueError(f"shards must be between 1 and {MAX_QUEUE_SHARDS}, got {shards}")
         self.prefix = prefix.rstrip(":")
         self.group = GROUP
         self.shards = shards
@@ -95,7 +96,7 @@ class Keys:
         return int(_idempotency_digest(tenant, key)[:8], 16) % self.shards
 
     def ack(self, job_id: str) -> str:
-        """String, 60 s: the marker written on the job's shard before a WAIT (`worker.protocol.connect`)."""
+        """String, 60 s: the marker written on the job's shard before a WAIT (`worker.common.connect`)."""
         return f"{self.prefix}:ack:{self.shard_tag(self.shard_of(job_id))}"
 
     @property

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from worker.protocol.connect import is_cluster
+from ferry.worker.common.connect import is_cluster
 
 # The command a script publishes a job's events with: `JOB_PUBLISH` stands for PUBLISH on a
 # single node, SPUBLISH on a cluster (`register`), where a job's channel then lives on its shard

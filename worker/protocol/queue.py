@@ -21,11 +21,11 @@ import time
 
 from pydantic import BaseModel
 
-from worker.protocol import lua
-from worker.protocol.codec import text
-from worker.protocol.events import CancelledEvent, event_json_tail
-from worker.protocol.jobs import TERMINAL_STATES_ARG, Envelope, JobRecord, JobRequest, JobState, new_job_id
-from worker.protocol.keys import Keys
+from ferry.worker.protocol import lua
+from ferry.worker.protocol.codec import text
+from ferry.worker.protocol.events import CancelledEvent, event_json_tail
+from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG, Envelope, JobRecord, JobRequest, JobState, new_job_id
+from ferry.worker.protocol.keys import Keys
 
 
 class EnqueueResult(BaseModel):

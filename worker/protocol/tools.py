@@ -3,7 +3,7 @@ an assistant message carries, and the deltas a stream sends.
 
 `tool_choice`: `none` (the model answers in text; the tools still go into the prompt, as OpenAI
 does), `auto` (the model may call tools; the worker parses calls out of its text with the
-model's parser, `worker.protocol.tool_parsers`), `required` (at least one call) or a named
+model's parser, `worker.serve.tool_parsers`), `required` (at least one call) or a named
 function (exactly that call). `required` and a named function are enforced with a grammar over
 the call JSON (`forced_tool_schema`), through the structured-output machinery. No torch here.
 """
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from worker.protocol.structured import check_json_schema
+from ferry.worker.protocol.structured import check_json_schema
 
 MAX_TOOLS = 128
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names

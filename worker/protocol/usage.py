@@ -18,8 +18,8 @@ import json
 import time
 from datetime import UTC, datetime
 
-from worker.protocol import lua
-from worker.protocol.keys import Keys
+from ferry.worker.protocol import lua
+from ferry.worker.protocol.keys import Keys
 
 USAGE_DAYS_KEPT = 90  # per-day usage hashes expire after this many days
 ACCOUNT_FIELDS = ("tenant", "usage", "rate_budget", "reserved_tokens")  # what the job hash must say

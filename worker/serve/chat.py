@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.protocol import JobRequest
-from worker.protocol.tool_parsers import PARSERS, NamedCall, RequiredCalls, ToolCallParser
-from worker.protocol.tools import NamedToolChoice
+from ferry.worker.protocol import JobRequest
+from ferry.worker.protocol.tools import NamedToolChoice
+from ferry.worker.serve.tool_parsers import PARSERS, NamedCall, RequiredCalls, ToolCallParser
 
 
 def template_knows_tools(tokenizer) -> bool:

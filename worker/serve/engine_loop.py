@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine import (
+from ferry.worker.engine import (
     Engine,
     EngineStats,
     InvalidSamplingParams,
@@ -48,7 +48,7 @@ from worker.engine import (
     Resume,
     SamplingParams,
 )
-from worker.protocol import (
+from ferry.worker.protocol import (
     ENGINE_PRIORITY,
     CancelledEvent,
     CompletedEvent,
@@ -62,11 +62,11 @@ from worker.protocol import (
     TopLogprob,
     Usage,
 )
-from worker.protocol.tool_parsers import DEFAULT_PARSER, PARSERS, NamedCall, ToolCallParser
-from worker.serve.chat import chat_messages, output_parser, template_knows_tools
-from worker.serve.intake import JobStart
-from worker.serve.metrics import WorkerMetrics
-from worker.serve.writes import Finish, HandBack, JobWrite, Progress, finish
+from ferry.worker.serve.chat import chat_messages, output_parser, template_knows_tools
+from ferry.worker.serve.intake import JobStart
+from ferry.worker.serve.metrics import WorkerMetrics
+from ferry.worker.serve.tool_parsers import DEFAULT_PARSER, PARSERS, NamedCall, ToolCallParser
+from ferry.worker.serve.writes import Finish, HandBack, JobWrite, Progress, finish
 
 log = logging.getLogger("ferry.worker.engine")
 
@@ -145,7 +145,7 @@ class EngineLoop:
                  pacing: BackgroundPacing = BackgroundPacing()) -> None:
         self.engine = engine
         self.pacing = pacing
-        self.tool_call_parser = tool_call_parser  # worker.protocol.tool_parsers.PARSERS: this model's call format
+        self.tool_call_parser = tool_call_parser  # worker.serve.tool_parsers.PARSERS: this model's call format
         self.worker_id = worker_id
         self.metrics = metrics
         self.submit = submit

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import redis
 from pydantic import ValidationError
 
-from worker.protocol import (
+from ferry.worker.protocol import (
     PRIORITIES,
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
@@ -45,11 +45,11 @@ from worker.protocol import (
     event_json_tail,
     lua,
 )
-from worker.protocol.codec import pairs_to_dict
-from worker.protocol.jobs import TERMINAL_STATES_ARG
-from worker.serve.settings import WorkerSettings
-from worker.serve.shard_watch import ShardWatch
-from worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
+from ferry.worker.protocol.codec import pairs_to_dict
+from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.serve.shard_watch import ShardWatch
+from ferry.worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
 
 log = logging.getLogger("ferry.worker.intake")
 _LIVE_LANES = PRIORITIES.index("low")  # the lanes before `low` in read order: high, normal

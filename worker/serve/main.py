@@ -27,18 +27,18 @@ import socket
 import threading
 import time
 
-from worker.engine.parallel.group import RankFailedError
-from worker.protocol import ENGINE_PRIORITY, Keys, Priority
-from worker.protocol.connect import UNAVAILABLE, connect, is_cluster
-from worker.serve import jsonlog
-from worker.serve.health import serve
-from worker.serve.intake import Consumer
-from worker.serve.metrics import WorkerMetrics
-from worker.serve.publisher import Publisher, PublisherThread
-from worker.serve.retry import Stopped, call_with_backoff
-from worker.serve.settings import WorkerSettings
-from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, ends_job
-from worker.snapshots.stats import SnapshotCollector, SnapshotStats
+from ferry.worker.common.connect import UNAVAILABLE, connect, is_cluster
+from ferry.worker.engine.parallel.group import RankFailedError
+from ferry.worker.protocol import ENGINE_PRIORITY, Keys, Priority
+from ferry.worker.serve import jsonlog
+from ferry.worker.serve.health import serve
+from ferry.worker.serve.intake import Consumer
+from ferry.worker.serve.metrics import WorkerMetrics
+from ferry.worker.serve.publisher import Publisher, PublisherThread
+from ferry.worker.serve.retry import Stopped, call_with_backoff
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, ends_job
+from ferry.worker.snapshots.stats import SnapshotCollector, SnapshotStats
 
 log = logging.getLogger("ferry.worker")
 
@@ -138,10 +138,10 @@ class Worker:
     def _load_engine(self) -> None:
         import torch
 
-        from worker.engine import Engine
-        from worker.serve.engine_loop import BackgroundPacing, EngineLoop
-        from worker.serve.snapshot_keeper import SnapshotKeeper
-        from worker.snapshots import fingerprint
+        from ferry.worker.engine import Engine
+        from ferry.worker.serve.engine_loop import BackgroundPacing, EngineLoop
+        from ferry.worker.serve.snapshot_keeper import SnapshotKeeper
+        from ferry.worker.snapshots import fingerprint
 
         s = self.settings
         if s.torch_threads:

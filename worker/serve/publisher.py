@@ -24,13 +24,13 @@ from collections.abc import Callable
 
 import redis
 
-from worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
-from worker.protocol.connect import UNAVAILABLE
-from worker.protocol.jobs import TERMINAL_STATES_ARG
-from worker.protocol.usage import account_jobs
-from worker.serve.replication_check import ReplicationCheck
-from worker.serve.retry import Stopped, call_with_backoff
-from worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
+from ferry.worker.common.connect import UNAVAILABLE
+from ferry.worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
+from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
+from ferry.worker.protocol.usage import account_jobs
+from ferry.worker.serve.replication_check import ReplicationCheck
+from ferry.worker.serve.retry import Stopped, call_with_backoff
+from ferry.worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
 
 log = logging.getLogger("ferry.worker.publisher")
 

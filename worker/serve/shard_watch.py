@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from worker.serve.writes import Delivery
+from ferry.worker.serve.writes import Delivery
 
 ReadShard = Callable[[int, int, int], list[Delivery]]  # (shard, lanes, block_ms) -> at most one delivery
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import time
 
-from worker.engine import Engine
-from worker.protocol.objectstore import open_store
-from worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
+from ferry.worker.common.objectstore import open_store
+from ferry.worker.engine import Engine
+from ferry.worker.snapshots import SnapshotStats, restore_snapshot, save_snapshot
 
 log = logging.getLogger("ferry.worker.snapshots")
 

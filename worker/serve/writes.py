@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel
 
-from worker.protocol import STATE_AFTER_EVENT, FailedEvent, TimedOutEvent
+from ferry.worker.protocol import STATE_AFTER_EVENT, FailedEvent, TimedOutEvent
 
 
 @dataclass(slots=True)

@@ -5,18 +5,18 @@ dtype, block size, KV layout, model salt); block keys are the prefix cache's sta
 chain, so restored blocks are hit by exactly the requests that would have computed them. The
 engine is used only through `Engine.prefix_blocks` (`worker.engine.prefix_io`).
 
-- `format`: shards, manifest, pointer (kept in a `worker.protocol.objectstore` store, `file://` or `s3://`);
+- `format`: shards, manifest, pointer (kept in a `worker.common.objectstore` store, `file://` or `s3://`);
 - `policy`: which blocks to keep and to take back; `fingerprint`;
 - `save` / `restore`; `stats`: counters and their Prometheus export; `cli`: `ferry snapshot`.
 """
 
-from worker.protocol.objectstore import ObjectStore, StoreError, open_store
-from worker.snapshots.fingerprint import fingerprint
-from worker.snapshots.format import POINTER, Manifest, RestoreResult, SnapshotError, SnapshotInfo
-from worker.snapshots.policy import select_blocks
-from worker.snapshots.restore import load_snapshot, read_manifest, restore_snapshot
-from worker.snapshots.save import list_snapshots, save_snapshot
-from worker.snapshots.stats import SnapshotCollector, SnapshotStats
+from ferry.worker.common.objectstore import ObjectStore, StoreError, open_store
+from ferry.worker.snapshots.fingerprint import fingerprint
+from ferry.worker.snapshots.format import POINTER, Manifest, RestoreResult, SnapshotError, SnapshotInfo
+from ferry.worker.snapshots.policy import select_blocks
+from ferry.worker.snapshots.restore import load_snapshot, read_manifest, restore_snapshot
+from ferry.worker.snapshots.save import list_snapshots, save_snapshot
+from ferry.worker.snapshots.stats import SnapshotCollector, SnapshotStats
 
 __all__ = [
     "POINTER",

@@ -57,7 +57,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from worker.snapshots import SnapshotError
+    from ferry.worker.snapshots import SnapshotError
 
     try:
         return {"save": _save, "load": _load, "inspect": _inspect}[args.command](args)
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
 
 
 def _engine(args: argparse.Namespace):
-    from worker.engine import Engine
+    from ferry.worker.engine import Engine
 
     return Engine(
         args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
@@ -79,8 +79,8 @@ def _engine(args: argparse.Namespace):
 
 
 def _save(args: argparse.Namespace) -> int:
-    from worker.engine import SamplingParams
-    from worker.snapshots import load_snapshot, save_snapshot
+    from ferry.worker.engine import SamplingParams
+    from ferry.worker.snapshots import load_snapshot, save_snapshot
 
     engine = _engine(args)
     if args.source:
@@ -110,7 +110,7 @@ def _save(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from worker.snapshots import load_snapshot
+    from ferry.worker.snapshots import load_snapshot
 
     engine = _engine(args)
     result = load_snapshot(engine, args.url, progress=True)
@@ -120,8 +120,8 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from worker.protocol.objectstore import StoreError, open_store
-    from worker.snapshots import list_snapshots, read_manifest
+    from ferry.worker.common.objectstore import StoreError, open_store
+    from ferry.worker.snapshots import list_snapshots, read_manifest
 
     store = open_store(args.url)
     key, manifest = read_manifest(store)

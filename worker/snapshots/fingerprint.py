@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from worker.engine import Engine
-from worker.models.loader import weight_files
+from ferry.worker.engine import Engine
+from ferry.worker.models.loader import weight_files
 
 _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # weight data hashed per file
 

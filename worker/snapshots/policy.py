@@ -8,8 +8,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 
-from worker.engine.kv_cache import ROOT_KEY, CachedBlock
-from worker.snapshots.format import BlockRecord
+from ferry.worker.engine.kv_cache import ROOT_KEY, CachedBlock
+from ferry.worker.snapshots.format import BlockRecord
 
 
 def select_blocks(cached: list[CachedBlock], max_blocks: int) -> list[CachedBlock]:

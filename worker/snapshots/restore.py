@@ -17,14 +17,14 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from worker.engine import Engine
-from worker.engine.kv_cache import CachedBlock
-from worker.protocol.objectstore import ObjectStore, StoreError, open_store
-from worker.snapshots.fingerprint import fingerprint
-from worker.snapshots.format import FORMAT_VERSION, POINTER, Manifest, RestoreResult, SnapshotError
-from worker.snapshots.policy import keys_digest, plan_import
-from worker.snapshots.save import sha256_file
-from worker.snapshots.stats import SnapshotStats
+from ferry.worker.common.objectstore import ObjectStore, StoreError, open_store
+from ferry.worker.engine import Engine
+from ferry.worker.engine.kv_cache import CachedBlock
+from ferry.worker.snapshots.fingerprint import fingerprint
+from ferry.worker.snapshots.format import FORMAT_VERSION, POINTER, Manifest, RestoreResult, SnapshotError
+from ferry.worker.snapshots.policy import keys_digest, plan_import
+from ferry.worker.snapshots.save import sha256_file
+from ferry.worker.snapshots.stats import SnapshotStats
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from worker.engine import Engine
-from worker.engine.kv_cache import CachedBlock
-from worker.protocol.objectstore import ObjectStore, StoreError, open_store
-from worker.snapshots.fingerprint import fingerprint
-from worker.snapshots.format import (
+from ferry.worker.common.objectstore import ObjectStore, StoreError, open_store
+from ferry.worker.engine import Engine
+from ferry.worker.engine.kv_cache import CachedBlock
+from ferry.worker.snapshots.fingerprint import fingerprint
+from ferry.worker.snapshots.format import (
     FORMAT_VERSION,
     POINTER,
     SNAPSHOTS,
@@ -30,8 +30,8 @@ from worker.snapshots.format import (
     SnapshotError,
     SnapshotInfo,
 )
-from worker.snapshots.policy import keys_digest, select_blocks
-from worker.snapshots.stats import SnapshotStats
+from ferry.worker.snapshots.policy import keys_digest, select_blocks
+from ferry.worker.snapshots.stats import SnapshotStats
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import argparse
 import statistics
 import sys
 
-from worker.serve.settings import DEFAULT_MODEL
+from ferry.worker.serve.settings import DEFAULT_MODEL
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -34,7 +34,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from worker.engine import Engine, SamplingParams
+    from ferry.worker.engine import Engine, SamplingParams
 
     try:
         engine = Engine(args.model, dtype=args.dtype)

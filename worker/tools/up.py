@@ -30,12 +30,12 @@ from urllib.parse import urlparse
 
 import httpx
 import redis
-from pydantic_settings import SettingsConfigDict
 
-from worker.models.bundled import BUNDLED_MODELS
-from worker.protocol.connect import RedisTopology, connect
-from worker.serve.settings import DEFAULT_MODEL
-from worker.webhooks.signing import new_secret
+from ferry.worker.common.connect import connect
+from ferry.worker.common.settings import FerrySettings
+from ferry.worker.models.bundled import BUNDLED_MODELS
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.webhooks.signing import new_secret
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -43,18 +43,15 @@ DEMO_QUESTIONS = [
     "Name three planets of the solar system.",
 ]
 DEMO_MAX_TOKENS = 64
+_LOCAL_HOST = "127.0.0.1"  # the API's bind address under `ferry up` unless FERRY_HOST or --host say otherwise
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-class UpSettings(RedisTopology):
-    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+class UpSettings(FerrySettings):
+    """Besides these, `ferry up` reads what it hands its children: Redis, the API's address (bound to
+    127.0.0.1 unless FERRY_HOST says otherwise), the webhook secret, and the worker's model."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    model: str = DEFAULT_MODEL
-    host: str = "127.0.0.1"  # the API's bind address under `ferry up` (local by default)
-    port: int = 8000
     state_dir: str = ".ferry"  # where `up` keeps the generated webhook secret
-    webhook_secret: str | None = None
     api_key: str | None = None  # the key the demo client sends, when the API has keys configured
     ready_timeout_s: float = 300.0
 
@@ -135,7 +132,7 @@ class Supervisor:
 
 
 def _ferry(*args: str) -> list[str]:
-    return [sys.executable, "-m", "worker.cli", *args]
+    return [sys.executable, "-m", "ferry.worker.cli", *args]
 
 
 def _redis_answers(url: str, cluster: bool = False) -> bool:
@@ -274,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help="API port (FERRY_PORT, default 8000)")
     args = parser.parse_args(argv)
     settings = UpSettings()
-    host, port = args.host or settings.host, args.port or settings.port
+    host = args.host or (settings.host if "host" in settings.model_fields_set else _LOCAL_HOST)
+    port = args.port or settings.port
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     signal.signal(signal.SIGINT, _raise_stopped)
     signal.signal(signal.SIGTERM, _raise_stopped)
@@ -283,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         ensure_redis(sup, settings.redis_url, settings.redis_cluster)
-        env["FERRY_MODEL"] = ensure_model(settings.model)
+        env["FERRY_MODEL"] = ensure_model(WorkerSettings().engine.model)
         env["FERRY_WEBHOOK_SECRET"] = webhook_secret(settings)
         sup.start("api", _ferry("api", "--host", host, "--port", str(port)), env)
         sup.start("worker", _ferry("worker"), env)

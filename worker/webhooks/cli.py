@@ -11,12 +11,12 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from worker.protocol import Keys
-from worker.webhooks.delivery import Attempt, WebhookMessage
-from worker.webhooks.relay import Relay
-from worker.webhooks.settings import WebhookSettings
-from worker.webhooks.signing import secret_key
-from worker.webhooks.tasks import make_celery
+from ferry.worker.protocol import Keys
+from ferry.worker.webhooks.delivery import Attempt, WebhookMessage
+from ferry.worker.webhooks.relay import Relay
+from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.signing import secret_key
+from ferry.worker.webhooks.tasks import make_celery
 
 log = logging.getLogger("ferry.webhooks")
 

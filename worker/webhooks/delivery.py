@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from worker.protocol.addresses import RefusedUrl, check_addresses, resolve
-from worker.webhooks.signing import sign
+from ferry.worker.common.addresses import RefusedUrl, check_addresses, resolve
+from ferry.worker.webhooks.signing import sign
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class Target:
 
 
 def resolve_target(url: str, allow_private: bool) -> Target:
-    """Resolve the URL's host once, refuse non-public addresses (`worker.protocol.addresses`),
+    """Resolve the URL's host once, refuse non-public addresses (`worker.common.addresses`),
     pin the connection to one of the checked addresses."""
     try:
         parsed = httpx.URL(url)

@@ -19,7 +19,8 @@ from datetime import UTC, datetime
 
 import redis
 
-from worker.protocol import (
+from ferry.worker.common.connect import connect
+from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     WEBHOOK_EVENT_FOR,
     JobRecord,
@@ -28,11 +29,10 @@ from worker.protocol import (
     UnreadableRecord,
     event_from_fields,
 )
-from worker.protocol.connect import connect
-from worker.protocol.keys import parse_watch_value, watch_value
-from worker.webhooks.delivery import Attempt, WebhookMessage
-from worker.webhooks.settings import WebhookSettings
-from worker.webhooks.tasks import enqueue
+from ferry.worker.protocol.keys import parse_watch_value, watch_value
+from ferry.worker.webhooks.delivery import Attempt, WebhookMessage
+from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.tasks import enqueue
 
 log = logging.getLogger("ferry.webhooks.relay")
 

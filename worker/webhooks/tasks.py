@@ -8,10 +8,10 @@ from dataclasses import asdict
 from celery import Celery
 from kombu.transport.SQS import CHARS_REPLACE_TABLE
 
-from worker.protocol import Keys
-from worker.protocol.key_source import KeySource
-from worker.webhooks.delivery import WebhookMessage, attempt_delivery, backoff_s
-from worker.webhooks.settings import WebhookSettings
+from ferry.worker.common.key_source import KeySource
+from ferry.worker.protocol import Keys
+from ferry.worker.webhooks.delivery import WebhookMessage, attempt_delivery, backoff_s
+from ferry.worker.webhooks.settings import WebhookSettings
 
 log = logging.getLogger("ferry.webhooks")
 

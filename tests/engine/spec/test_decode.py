@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ferry.worker.engine import Engine, EngineConfig, SamplingParams
+from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.outputs import RequestMetrics
+from ferry.worker.engine.request import Request, RequestStatus
+from ferry.worker.engine.sampler import adjust_logits, sampling_probs
+from ferry.worker.engine.scheduler import Scheduler
+from ferry.worker.engine.spec.decode import verify
+from ferry.worker.engine.spec.governor import SpecGovernor
+from ferry.worker.engine.spec.proposers import prompt_lookup
 from tests.engine.helpers import make_request
-from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.kv_cache import KVCacheManager
-from worker.engine.outputs import RequestMetrics
-from worker.engine.request import Request, RequestStatus
-from worker.engine.sampler import adjust_logits, sampling_probs
-from worker.engine.scheduler import Scheduler
-from worker.engine.spec.decode import verify
-from worker.engine.spec.governor import SpecGovernor
-from worker.engine.spec.proposers import prompt_lookup
 
 # --- statistics ------------------------------------------------------------------------------------
 

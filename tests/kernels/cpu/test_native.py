@@ -10,12 +10,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-import kernels
-from kernels import reference
-from kernels.cpu import native as cpu_native
-from kernels.metadata import BackendPlans
+from ferry.kernels import ops, reference
+from ferry.kernels.cpu import native as cpu_native
+from ferry.kernels.metadata import BackendPlans
+from ferry.worker.models.config import ModelArch
 from tests.kernels.triton.test_paged_attention import BATCHES, make_case
-from worker.models.config import ModelArch
 
 # (num_heads, num_kv_heads, head_dim): the register paths (32, 64, 128) and the portable loop (48, 80).
 HEADS = [(2, 2, 64), (9, 3, 64), (8, 1, 32), (4, 2, 128), (4, 2, 48), (6, 3, 80)]
@@ -81,8 +80,8 @@ def test_writes_only_its_rows_into_out():
 def test_default_cpu_dispatch_is_native(monkeypatch):
     monkeypatch.delenv("FERRY_ATTENTION_BACKEND", raising=False)
     q, k_cache, v_cache, meta = make_case(*BATCHES["decode"], num_heads=4, num_kv_heads=2, seed=4)
-    assert kernels.backend_for(q) == "cpu"
-    dispatched = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert ops.backend_for(q) == "cpu"
+    dispatched = ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
     meta.plans = BackendPlans()
     assert torch.equal(dispatched, cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125))
 
@@ -126,7 +125,7 @@ def test_rms_norm_on_head_views():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_write_kv_matches_reference(dtype):
-    from worker.models.config import RopeConfig, rope_cos_sin_cache
+    from ferry.worker.models.config import RopeConfig, rope_cos_sin_cache
 
     gen = torch.Generator().manual_seed(13)
     tokens, heads, kv_heads, head_dim, block_size = 9, 6, 2, 32, 4
@@ -166,7 +165,7 @@ def test_silu_and_mul_matches_reference(dtype):
 
 def test_engine_greedy_same_with_cpu_and_torch_backends(llama_dir, monkeypatch):
     """The whole model on the cpu backend gives the reference backend's greedy tokens."""
-    from worker.engine import LLM, SamplingParams
+    from ferry.worker.engine import LLM, SamplingParams
 
     gen = torch.Generator().manual_seed(15)
     outputs = {}
@@ -232,8 +231,8 @@ def test_only_float32_cpu_matrices_are_packed():
 def test_loaded_float32_model_holds_packed_projections_only(llama_dir):
     """The loader packs every projection (and drops its [out, in] tensor) and the head; a
     bfloat16 model keeps nn.Linear."""
-    from worker.models.llama import PackedLinear
-    from worker.models.loader import load_model
+    from ferry.worker.models.llama import PackedLinear
+    from ferry.worker.models.loader import load_model
 
     arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(llama_dir))
     model = load_model(llama_dir, arch, torch.float32, torch.device("cpu"), 64)

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels.cpu import native as cpu_native
-from kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.kernels import ops
+from ferry.kernels.cpu import native as cpu_native
+from ferry.kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
 RTOL = 1e-5  # of sum_k |x_k w_k|, see the module docstring
@@ -107,7 +107,7 @@ def test_a_row_gets_the_same_floats_in_any_batch(qtype):
 def test_dispatch_keeps_leading_dims():
     weight, dequantized = gguf_weight(48, 64, "Q4_1", seed=8)
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(9))
-    got = kernels.linear(x, weight)
+    got = ops.linear(x, weight)
     assert got.shape == (3, 5, 48)
     assert_product_close(got.reshape(15, 48), x.reshape(15, 64), dequantized)
 
@@ -117,9 +117,9 @@ def test_embedding_rows_come_dequantized(qtype):
     weight, dequantized = gguf_weight(45, 64, qtype, seed=10)
     ids = torch.tensor([[0, 44, 7], [8, 8, 21]])
     assert torch.equal(weight.dequantize_rows(ids), dequantized[ids])
-    assert torch.equal(kernels.embedding(ids, weight), dequantized[ids])  # the native gather
+    assert torch.equal(ops.embedding(ids, weight), dequantized[ids])  # the native gather
     with pytest.raises(RuntimeError, match=r"row id 45 is outside \[0, 45\)"):
-        kernels.embedding(torch.tensor([45]), weight)
+        ops.embedding(torch.tensor([45]), weight)
 
 
 def test_int8_weights_are_close_and_multiply_as_their_dequantization():
@@ -132,7 +132,7 @@ def test_int8_weights_are_close_and_multiply_as_their_dequantization():
     relative = (dequantized - weight).norm() / weight.norm()
     assert relative < 6e-3, f"relative Frobenius error {relative:.2e}"
     x = torch.randn(7, 576, generator=gen)
-    assert_product_close(kernels.linear(x, quantized), x, dequantized)
+    assert_product_close(ops.linear(x, quantized), x, dequantized)
     # The blocks are ggml's Q8_0: gguf's dequantizer reads the same weights from them.
     raw = _raw_q8_0_blocks(quantized)
     reference = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q8_0)
@@ -165,9 +165,9 @@ def test_smollm2_gguf_tensors_multiply_as_gguf_dequantizes_them():
         weight = pack_quantized_weight(torch.from_numpy(blocks), tensor.tensor_type.name, out_features, in_features)
         dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, tensor.tensor_type).copy())
         assert torch.equal(weight.dequantize(), dequantized), name
-        assert_product_close(kernels.linear(x[:, :in_features], weight), x[:, :in_features], dequantized)
+        assert_product_close(ops.linear(x[:, :in_features], weight), x[:, :in_features], dequantized)
     ids = torch.tensor([0, 1, 4999, 1234])
-    assert torch.equal(kernels.embedding(ids, weight), dequantized[ids])
+    assert torch.equal(ops.embedding(ids, weight), dequantized[ids])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16", "q4_1"])
@@ -188,8 +188,8 @@ def test_bad_shapes_are_refused_by_name():
 def test_decoder_stack_with_quantized_layers_matches_layer_by_layer(tiny_model_factory):
     """A model whose projections are quantized (mixed formats, float32 packed ones too) keeps
     the one-call decode path, with the same floats as its layer-by-layer path."""
-    from worker.engine import Engine
-    from worker.engine.model_runner import SeqChunk
+    from ferry.worker.engine import Engine
+    from ferry.worker.engine.model_runner import SeqChunk
 
     runner = Engine(str(tiny_model_factory("qwen2")), kv_cache_bytes=8 << 20, max_model_len=256).runner
     model = runner.model

@@ -14,11 +14,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.metadata import AttentionMetadata
-from kernels.triton.paged_attention_kernel import _launch_config, _merge_splits_kernel, _paged_attention_kernel
-from kernels.triton.rms_norm_kernel import _rms_norm_kernel
-from kernels.triton.rotary_kernel import _rotary_kernel
-from kernels.triton.write_kv_kernel import _write_kv_kernel
+from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.triton.paged_attention_kernel import _launch_config, _merge_splits_kernel, _paged_attention_kernel
+from ferry.kernels.triton.rms_norm_kernel import _rms_norm_kernel
+from ferry.kernels.triton.rotary_kernel import _rotary_kernel
+from ferry.kernels.triton.write_kv_kernel import _write_kv_kernel
 
 pytestmark = [
     pytest.mark.slow,

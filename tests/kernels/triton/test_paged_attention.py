@@ -7,10 +7,10 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata
-from kernels.triton import paged_attention_kernel
-from kernels.triton.paged_attention_kernel import paged_attention
+from ferry.kernels import reference
+from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.triton import paged_attention_kernel
+from ferry.kernels.triton.paged_attention_kernel import paged_attention
 from tests.kernels.util import assert_close
 
 # name -> (query_lens, seq_lens): one entry per sequence of the flat batch.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton.rms_norm_kernel import rms_norm
+from ferry.kernels import reference
+from ferry.kernels.triton.rms_norm_kernel import rms_norm
 from tests.kernels.util import assert_close
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton.rotary_kernel import rotary
+from ferry.kernels import reference
+from ferry.kernels.triton.rotary_kernel import rotary
 from tests.kernels.util import assert_close
 
 

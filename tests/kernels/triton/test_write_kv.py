@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton.write_kv_kernel import write_kv
+from ferry.kernels import reference
+from ferry.kernels.triton.write_kv_kernel import write_kv
 
 
 def check_write_kv(num_kv_heads, head_dim, block_size, dtype, device, seed) -> None:

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from worker.engine.parallel.rank import CONTROL_TIMEOUT, rank_main
-from worker.engine.parallel.wire import Op, RankSpec
-from worker.models.sharding import Shard, TensorParallelError
+from ferry.worker.engine.parallel.rank import CONTROL_TIMEOUT, rank_main
+from ferry.worker.engine.parallel.wire import Op, RankSpec
+from ferry.worker.models.sharding import Shard, TensorParallelError
 
 log = logging.getLogger(__name__)
 

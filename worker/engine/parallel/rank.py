@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from worker.engine.kv_budget import kv_budget_bytes
-from worker.engine.model_runner import ModelRunner
-from worker.engine.parallel.wire import Op, RankSpec, unpack_chunks
-from worker.models.loader import load_model
-from worker.models.sharding import Shard, first_kv_head, local_arch
+from ferry.worker.engine.kv_budget import kv_budget_bytes
+from ferry.worker.engine.model_runner import ModelRunner
+from ferry.worker.engine.parallel.wire import Op, RankSpec, unpack_chunks
+from ferry.worker.models.loader import load_model
+from ferry.worker.models.sharding import Shard, first_kv_head, local_arch
 
 CONTROL_TIMEOUT = timedelta(days=365)  # the control group waits for rank 0's next message however idle it is
 _PARENT_POLL_S = 1.0

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.model_runner import SeqChunk
-from worker.models.config import ModelArch
+from ferry.worker.engine.model_runner import SeqChunk
+from ferry.worker.models.config import ModelArch
 
 
 class Op(enum.IntEnum):

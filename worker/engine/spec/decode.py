@@ -17,11 +17,11 @@ from typing import Protocol
 
 import torch
 
-from worker.engine.config import SpeculativeConfig
-from worker.engine.outputs import PositionLogprobs
-from worker.engine.request import Request
-from worker.engine.sampler import SamplingRow, adjust_logits, draw, sampling_probs, top_logprobs
-from worker.engine.spec.governor import SpecGovernor
+from ferry.worker.engine.config import SpeculativeConfig
+from ferry.worker.engine.outputs import PositionLogprobs
+from ferry.worker.engine.request import Request
+from ferry.worker.engine.sampler import SamplingRow, adjust_logits, draw, sampling_probs, top_logprobs
+from ferry.worker.engine.spec.governor import SpecGovernor
 
 _ACCEPTANCE_WEIGHT = 0.3  # weight of the newest verification in a request's running acceptance
 

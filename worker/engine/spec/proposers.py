@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from numpy.lib.stride_tricks import sliding_window_view
 from transformers import AutoConfig, AutoTokenizer
 
-from worker.engine.kv_cache import KVCacheManager
-from worker.engine.model_runner import ModelRunner, SeqChunk
-from worker.engine.request import Request
-from worker.engine.sampler import SamplingRow, adjust_logits, peek_noise, sampling_probs
-from worker.models.config import ModelArch
-from worker.models.loader import gguf_file, load_model, resolve_model_path
-from worker.models.quantization import resolve_quantization
+from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.model_runner import ModelRunner, SeqChunk
+from ferry.worker.engine.request import Request
+from ferry.worker.engine.sampler import SamplingRow, adjust_logits, peek_noise, sampling_probs
+from ferry.worker.models.config import ModelArch
+from ferry.worker.models.loader import gguf_file, load_model, resolve_model_path
+from ferry.worker.models.quantization import resolve_quantization
 
 
 def prompt_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:

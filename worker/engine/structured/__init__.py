@@ -1,7 +1,7 @@
 """Structured outputs: grammars (JSON schema, regex, choice, EBNF) that constrain a request's tokens."""
 
-from worker.engine.structured.manager import GrammarState, StructuredOutputManager, apply_grammars
-from worker.engine.structured.params import InvalidStructuredOutputError, StructuredOutputs
+from ferry.worker.engine.structured.manager import GrammarState, StructuredOutputManager, apply_grammars
+from ferry.worker.engine.structured.params import InvalidStructuredOutputError, StructuredOutputs
 
 __all__ = [
     "GrammarState", "InvalidStructuredOutputError", "StructuredOutputManager", "StructuredOutputs",

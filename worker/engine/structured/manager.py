@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xgrammar as xgr
 
-from worker.engine.structured.params import InvalidStructuredOutputError, StructuredOutputs
+from ferry.worker.engine.structured.params import InvalidStructuredOutputError, StructuredOutputs
 
 _COMPILE_THREADS = 2  # compiles run beside the engine thread, which keeps stepping other requests
 

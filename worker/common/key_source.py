@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from worker.protocol.tenants import KeyConfig
+from ferry.worker.common.tenants import KeyConfig
 
 log = logging.getLogger("ferry.keys")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from worker.protocol.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
-from worker.protocol.tools import ChatDelta, Tool, forced_tool_schema, tool_call_id
+from ferry.worker.protocol.tools import ChatDelta, Tool, forced_tool_schema, tool_call_id
+from ferry.worker.serve.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
 
 HERMES_OUTPUT = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'

@@ -17,10 +17,10 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels import reference
-from kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
-from kernels.metadata import AttentionMetadata
-from kernels.stack_layer import StackLayer
+from ferry.kernels import reference
+from ferry.kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.stack_layer import StackLayer
 
 __all__ = [
     "AttentionMetadata",
@@ -79,7 +79,7 @@ def _resolve(tensor: torch.Tensor) -> str:
 
 def _triton():
     # Imported lazily: CPU-only installs need no triton.
-    from kernels import triton as triton_backend
+    from ferry.kernels import triton as triton_backend
 
     return triton_backend
 
@@ -102,7 +102,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 @functools.cache
 def _cpu():
     # Imported on first use: importing the native module may compile it.
-    from kernels.cpu import native
+    from ferry.kernels.cpu import native
 
     return native
 

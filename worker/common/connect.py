@@ -1,9 +1,8 @@
 """How every Ferry process reaches Redis: one node, or a Redis Cluster (`FERRY_REDIS_CLUSTER=true`).
 
-`RedisTopology` holds the settings every process shares (each process's settings class inherits
-it, so they are declared once): whether `FERRY_REDIS_URL` is a cluster node, the queue shards
-per model, and how many replicas must hold an acknowledged write. `connect` and
-`connect_async` build the client: `redis.Redis` / `redis.asyncio.Redis` for one node, or
+The settings every process shares (whether `FERRY_REDIS_URL` is a cluster node, the queue shards
+per model, how many replicas must hold an acknowledged write) are in `worker.common.settings`.
+`connect` and `connect_async` build the client: `redis.Redis` / `redis.asyncio.Redis` for one node, or
 `RedisCluster` and its asyncio twin, seeded from the one node named, which follow MOVED/ASK and
 retry a command with jittered exponential backoff while a primary fails over (connection errors,
 CLUSTERDOWN, TRYAGAIN, a slot briefly uncovered).
@@ -25,8 +24,6 @@ import inspect
 
 import redis
 import redis.asyncio as aredis
-from pydantic import Field
-from pydantic_settings import BaseSettings
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
@@ -40,8 +37,6 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from worker.protocol.keys import MAX_SHARDS
-
 # What a caller retries (the worker) or answers with 503 (the API): the store is away for now. On a
 # cluster a failover can also end a command's own retries with a redirection it could not follow
 # (AskError, MovedError: the slot map was stale every time) or "TTL exhausted" (ClusterError): the
@@ -51,21 +46,6 @@ UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError
 
 _RETRIES = 6  # per command; with the backoff below, about 3 s: a failover with a 1-2 s node timeout fits
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.05, 1.0
-
-
-class RedisTopology(BaseSettings):
-    """`FERRY_REDIS_CLUSTER`, `FERRY_QUEUE_SHARDS`, `FERRY_REDIS_MIN_REPLICAS` (a mixin of every
-    process's settings; the same values must be given to all of them)."""
-
-    redis_cluster: bool = False  # FERRY_REDIS_URL is any node of a Redis Cluster
-    # Queue shards per model: each shard's streams and jobs share one hash slot, so N shards spread
-    # a model over up to N primaries. Every process must use the same number.
-    queue_shards: int = Field(1, ge=1, le=MAX_SHARDS)
-    # An enqueue (the API's 202) and a job's terminal write wait until this many replicas have it
-    # (WAIT); 0 = do not wait. Fewer in time: the API answers 503 + Retry-After, never a silent
-    # 202; a worker logs it (its write is on the primary).
-    redis_min_replicas: int = Field(0, ge=0)
-    redis_replica_timeout_ms: int = Field(1000, ge=1)  # the WAIT's timeout
 
 
 def _retry() -> Retry:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from worker.protocol.tools import (
+from ferry.worker.protocol.tools import (
     ChatDelta,
     FunctionCall,
     FunctionCallDelta,

@@ -1,9 +1,9 @@
 """Benchmark the Triton kernels on a CUDA GPU; prints tables and writes JSON.
 
-    python -m kernels.bench                      # full grid, Llama-3-8B attention shape, bf16
-    python -m kernels.bench --quick              # a few cases, for a smoke run
-    python -m kernels.bench --out results.json   # default: bench/results/kernels-<device>.json
-    python -m kernels.bench --dry-run            # tiny cases on the CPU under Triton's interpreter:
+    python -m bench.kernels                      # full grid, Llama-3-8B attention shape, bf16
+    python -m bench.kernels --quick              # a few cases, for a smoke run
+    python -m bench.kernels --out results.json   # default: bench/results/kernels-<device>.json
+    python -m bench.kernels --dry-run            # tiny cases on the CPU under Triton's interpreter:
                                                  # checks the benchmark runs; its times mean nothing
 
 Paged attention, decode (batch 1-256, context 512-32k): achieved HBM bandwidth, counting the
@@ -161,8 +161,8 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int) -> dict | None:
     """One decode step of `batch` sequences of `context` tokens; None when it does not fit."""
-    from kernels.metadata import AttentionMetadata
-    from kernels.triton.paged_attention_kernel import choose_variant, paged_attention
+    from ferry.kernels.metadata import AttentionMetadata
+    from ferry.kernels.triton.paged_attention_kernel import choose_variant, paged_attention
 
     device, dtype = args.device, getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -209,8 +209,8 @@ def bench_decode(args, timer: Timer, copy_gbps: float, batch: int, context: int)
 
 def bench_prefill(args, timer: Timer, chunk: int) -> dict:
     """A fresh prompt of `chunk` tokens: causal attention over itself."""
-    from kernels.metadata import AttentionMetadata
-    from kernels.triton.paged_attention_kernel import paged_attention
+    from ferry.kernels.metadata import AttentionMetadata
+    from ferry.kernels.triton.paged_attention_kernel import paged_attention
 
     device, dtype = args.device, getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -253,8 +253,8 @@ def bench_small_kernels(args, timer: Timer) -> list[dict]:
 
 
 def _small_kernel_rows(args, timer: Timer, tokens: int) -> list[dict]:
-    from kernels import reference
-    from kernels import triton as triton_ops
+    from ferry.kernels import reference
+    from ferry.kernels import triton as triton_ops
 
     device, dtype = args.device, getattr(torch, args.dtype)
     heads, kv_heads, dim, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         # Before the first import of triton: its language helpers are bound at import.
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
-        sys.exit("kernels/bench.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False).")
+        sys.exit("bench/kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False).")
     import triton
     from tqdm import tqdm
 

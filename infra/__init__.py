@@ -1,1 +1,0 @@
-"""Deployment assets for Ferry (containers, Kubernetes, Grafana) and the backlog autoscaler."""
