@@ -11,13 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ferry.worker.engine.errors import InvalidSamplingParams
 from ferry.worker.engine.structured.params import StructuredOutputs
-from ferry.worker.protocol.sampling import LIMITS, MAX_TOKENS_LIMIT, MODEL_DEFAULTS, SAMPLING_LIMITS, logit_bias_problem
+from ferry.worker.protocol.sampling import (
+    LIMITS,
+    MAX_TOKENS_LIMIT,
+    MODEL_DEFAULTS,
+    SAMPLING_LIMITS,
+    combination_problem,
+    logit_bias_problem,
+)
 
-
-class InvalidSamplingParams(ValueError):
-    """A sampling value outside what is allowed; the message names the field."""
-
+__all__ = ["InvalidSamplingParams", "SamplingParams"]
 
 def _default(name: str):
     return LIMITS[name].default
@@ -61,16 +66,12 @@ class SamplingParams:
             self.top_k = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the field, the value and what is allowed."""
+        """Raise InvalidSamplingParams naming the field, the value and what is allowed."""
         for limit in SAMPLING_LIMITS:
             value = getattr(self, limit.name)
             problem = limit.check(value)
             if problem is not None:
                 raise InvalidSamplingParams(f"invalid {limit.name}={_short(value)}: {problem}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidSamplingParams(
-                f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})"
-            )
         problem = logit_bias_problem(self.logit_bias)
         if problem is not None:
             raise InvalidSamplingParams(f"invalid logit_bias={_short(self.logit_bias)}: {problem}")
@@ -79,9 +80,9 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputs | dict):
             raise InvalidSamplingParams(f"invalid structured_outputs={_short(so)}: must be a StructuredOutputs")
-        if so is not None and self.min_tokens:
-            # The grammar alone decides where a constrained output may end.
-            raise InvalidSamplingParams("min_tokens cannot be combined with structured_outputs")
+        problem = combination_problem(self.min_tokens, self.max_tokens, so is not None)
+        if problem is not None:
+            raise InvalidSamplingParams(problem)
 
     def resolved(self, model_defaults: dict[str, float | int], remaining: int) -> SamplingParams:
         """A copy with every unset field given its value: `max_tokens` the `remaining` context

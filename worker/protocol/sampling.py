@@ -4,6 +4,8 @@ Three schemas read this table: the engine's `SamplingParams` (which checks value
 `validate`), the job request of the wire (`JobRequest`, pydantic) and the OpenAI-compatible
 request bodies of the API. A test walks the table against each of them, so a limit changed
 here changes everywhere, and a field added to one schema but not to the table fails the suite.
+The rules across fields (min_tokens against max_tokens and structured_outputs) are stated once
+too, in `combination_problem`.
 
 This module imports nothing but the standard library: the engine, the API and the wire all use it.
 """
@@ -39,6 +41,16 @@ def logit_bias_problem(value: object) -> str | None:
             return f"token ids must be integers >= 0 ({token!r} is not)"
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
             return f"biases must be numbers in [-{_num(LOGIT_BIAS_MAX)}, {_num(LOGIT_BIAS_MAX)}] ({bias!r} is not)"
+    return None
+
+
+def combination_problem(min_tokens: int, max_tokens: int | None, structured: bool) -> str | None:
+    """Why these values are not allowed together (the rules across fields, which no `Limit` can
+    state), or None when they are. `structured`: the request has structured_outputs."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        return f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})"
+    if structured and min_tokens:
+        return "min_tokens cannot be combined with structured_outputs (the grammar decides the end)"
     return None
 
 

@@ -7,12 +7,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ferry.worker.engine.errors import InvalidStructuredOutputError
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class InvalidStructuredOutputError(ValueError):
-    """A structured-output spec that is malformed or that the grammar compiler refuses; the
-    message names the field and, for a compile failure, carries the compiler's words."""
 
 
 @dataclass(slots=True)
