@@ -6,6 +6,7 @@ its shutdown."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from fastapi.testclient import TestClient
 from ferry.api.auth import hash_key
 from ferry.api.main import create_app
 from ferry.api.settings import ApiSettings
-from ferry.worker.common.addresses import RefusedUrl
+from ferry.worker.common.addresses import RefusedUrl, is_public
 from ferry.worker.protocol import CompletedEvent, Keys, Timings, Usage, event_to_fields, new_job_id
 from ferry.worker.webhooks.delivery import resolve_target
 from tests.api.conftest import free_port, new_prefix
@@ -274,13 +275,36 @@ HIDDEN_PRIVATE = [
     "http://[::7f00:1]/",  # IPv4-compatible 127.0.0.1
     "http://[::ffff:10.0.0.1]/",  # IPv4-mapped
     "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/",  # Teredo with a private client (192.0.2.45)
+    "http://[::ffff:0:7f00:1]/",  # SIIT (IPv4-translated, RFC 6145) of 127.0.0.1
+    "http://[::ffff:0:169.254.169.254]/",  # SIIT, dotted
+    "http://[64:ff9b::127.0.0.1]/",  # NAT64, dotted
+    "http://[2002:7f00:1::1]/",  # 6to4 of 127.0.0.1
+    "http://[2001:0:a00:1:8000:63bf:f7f7:f7f7]/",  # Teredo with a private server (10.0.0.1)
 ]
+
+_V4 = ["127.0.0.1", "10.0.0.1", "169.254.169.254", "100.64.0.1", "0.0.0.0", "192.168.1.1", "8.8.8.8", "1.1.1.1"]
+
+
+def _carriers(v4: str) -> dict[str, str]:
+    """Every IPv6 form that carries `v4`."""
+    hi, lo = divmod(int(ipaddress.IPv4Address(v4)), 1 << 16)
+    inverted = ipaddress.IPv4Address(~int(ipaddress.IPv4Address(v4)) & 0xFFFF_FFFF)
+    return {"mapped": f"::ffff:{v4}", "SIIT": f"::ffff:0:{v4}", "compatible": f"::{v4}", "NAT64": f"64:ff9b::{v4}",
+            "6to4": f"2002:{hi:x}:{lo:x}::1", "Teredo client": f"2001:0:4136:e378:8000:63bf:{inverted}",
+            "Teredo server": f"2001:0:{hi:x}:{lo:x}:8000:63bf:f7f7:f7f7"}  # client 8.8.8.8
+
+
+@pytest.mark.parametrize("v4", _V4)
+def test_an_ipv6_address_carrying_an_ipv4_one_is_as_public_as_it(v4):
+    for form, v6 in _carriers(v4).items():
+        assert is_public(ipaddress.ip_address(v6)) == is_public(ipaddress.ip_address(v4)), (form, v6)
+    assert not is_public(ipaddress.ip_address(f"64:ff9b:1::{v4}"))  # local-use NAT64: never public
 
 
 @pytest.mark.parametrize("url", HIDDEN_PRIVATE)
 def test_ipv6_forms_of_private_addresses_are_refused_at_delivery(url):
     with pytest.raises(RefusedUrl, match="non-public"):
-        resolve_target(url, allow_private=False)
+        resolve_target(url, allow_private=False, timeout_s=5)
 
 
 @pytest.mark.parametrize("url", HIDDEN_PRIVATE + ["http://127.0.0.1:9/", "http://localhost/hook"])

@@ -2,9 +2,9 @@
 
 Shared by the API (which refuses a webhook URL at submission) and the webhook worker (which
 checks again at delivery, and connects to the address it checked). An IPv6 address that
-carries an IPv4 address (IPv4-mapped, IPv4-compatible, NAT64, 6to4, Teredo) is judged by the
-IPv4 address it carries too: `[64:ff9b::a9fe:a9fe]` is 169.254.169.254, the cloud metadata
-service, however it is written.
+carries an IPv4 address is judged by the IPv4 address it carries too: `[64:ff9b::a9fe:a9fe]` is
+169.254.169.254, the cloud metadata service, however it is written. `_CARRIERS` lists every such
+form.
 """
 
 from __future__ import annotations
@@ -15,9 +15,19 @@ from urllib.parse import urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the IPv4 address is the last 32 bits
-_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: local-use translation, never public
-_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d (:: and ::1 are not IPv4)
+# Every IPv6 form that carries an IPv4 address a translator or tunnel delivers to, and where it
+# sits: "low32" is the last 32 bits; 6to4 and Teredo are read by the ipaddress module.
+_CARRIERS = (
+    (ipaddress.ip_network("::ffff:0:0/96"), "low32"),  # IPv4-mapped (RFC 4291)
+    (ipaddress.ip_network("::ffff:0:0:0/96"), "low32"),  # IPv4-translated, SIIT (RFC 6145, 2765)
+    (ipaddress.ip_network("::/96"), "low32"),  # IPv4-compatible (deprecated; :: and ::1 carry 0.0.0.0, 0.0.0.1)
+    (ipaddress.ip_network("64:ff9b::/96"), "low32"),  # NAT64 well-known prefix (RFC 6052)
+    (ipaddress.ip_network("2002::/16"), "6to4"),  # 6to4 (RFC 3056): bits 16-47
+    (ipaddress.ip_network("2001::/32"), "teredo"),  # Teredo (RFC 4380): server, and client inverted
+)
+# RFC 8215 local-use NAT64: the IPv4 address may sit at any of RFC 6052's offsets, and the prefix is
+# never public, so the whole of it is refused.
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 
 
 class RefusedUrl(ValueError):
@@ -26,15 +36,16 @@ class RefusedUrl(ValueError):
 
 def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     """Every IPv4 address an IPv6 address carries (empty for a plain IPv6 address)."""
-    found = []
-    if ip.ipv4_mapped is not None:
-        found.append(ip.ipv4_mapped)
-    if ip in _NAT64 or (ip in _IPV4_COMPATIBLE and int(ip) > 1):
-        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF))
-    if ip.sixtofour is not None:
-        found.append(ip.sixtofour)
-    if ip.teredo is not None:
-        found.extend(ip.teredo)  # (server, client)
+    found: list[ipaddress.IPv4Address] = []
+    for network, where in _CARRIERS:
+        if ip not in network:
+            continue
+        if where == "low32":
+            found.append(ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF))
+        elif where == "6to4":
+            found.append(ip.sixtofour)
+        else:
+            found.extend(ip.teredo)  # (server, client)
     return found
 
 
