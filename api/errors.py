@@ -9,7 +9,10 @@ unknown routes and wrong methods all map to 4xx here.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -124,8 +127,69 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def json_value_problem(value: Any) -> tuple[str, str] | None:
+    """(where, why) for the first value in decoded JSON that Ferry cannot store or hand back as
+    given, or None: a string or object key with a lone surrogate ("\\udfff": no UTF-8 encoder takes
+    it), or a number JSON cannot carry (NaN, Infinity, or one beyond a double's range such as 1e999,
+    which Python reads as inf). `where` names the place (`metadata.k`, `messages[0]`), escaped."""
+    try:  # the common case, in C: nothing to find
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
+        return None
+    except (ValueError, RecursionError):
+        pass
+    stack: list[tuple[Any, str]] = [(value, "")]  # no recursion: any depth is answered
+    while stack:
+        item, path = stack.pop()
+        where = path or "body"
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return where, "not valid Unicode (a lone surrogate)"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return where, "not a finite number (NaN, Infinity, or beyond a double's range)"
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                name = f"{path}.{_printable(key)}" if path else _printable(key)
+                stack += [(child, name), (key, name)]  # the key first
+        elif isinstance(item, list):
+            stack += [(child, f"{path}[{i}]") for i, child in reversed(list(enumerate(item)))]
+    return None
+
+
+def _json_body_problem(body: bytes) -> JSONResponse | None:
+    """The 422 for a JSON body no route may see (`json_value_problem`), or None. A body that does not
+    parse is left to FastAPI, which answers `invalid_json`."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    problem = json_value_problem(value)
+    if problem is None:
+        return None
+    where, why = problem
+    if len(where) > 80:
+        where = where[:60] + "..."
+    return error_response(422, "invalid_request", f"{where}: {why}", None if where == "body" else where)
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether FastAPI reads the body as JSON: no content type, or application/json or */*+json."""
+    content_type = dict(headers).get(b"content-type")
+    if content_type is None:
+        return True
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
 class BodyLimitMiddleware:
-    """Pure ASGI: answer 413 before the app sees a body over `max_bytes`.
+    """Pure ASGI: answer 413 before the app sees a body over `max_bytes`, and 422 for a JSON body
+    with a value no route can store (`json_value_problem`: a lone surrogate in a string or a key,
+    a non-finite number), wherever in the body it is.
 
     Bodies are read up front (they are small JSON documents) and replayed to the app, so a
     chunked upload without Content-Length is limited as well as one that declares its size.
@@ -153,6 +217,9 @@ class BodyLimitMiddleware:
                 return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
+        refused = _json_body_problem(bytes(body)) if body and _is_json(scope["headers"]) else None
+        if refused is not None:
+            return await refused(scope, receive, send)
         replayed = False
 
         async def replay():

@@ -11,9 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator, model_validator
 
+from ferry.api.schemas import check_body_json
 from ferry.api.streaming import SSE_EVENT_SCHEMA
 from ferry.worker.protocol import Message, Priority, StructuredOutputsRequest
-from ferry.worker.protocol.jobs import LogitBias, TokenIds, check_json, sampling_annotation, sampling_fields
+from ferry.worker.protocol.jobs import LogitBias, TokenIds, sampling_annotation, sampling_fields
 from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.structured import check_json_schema
 from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
@@ -107,7 +108,7 @@ class _Body(_SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _valid_json(cls, data: Any) -> Any:
-        return check_json(data)
+        return check_body_json(data)
 
 
 class CompletionRequest(_Body):

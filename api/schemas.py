@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from ferry.api.errors import json_value_problem
 from ferry.worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
 from ferry.worker.protocol.jobs import Metadata, StrictFloat, check_json, sampling_annotation
 from ferry.worker.protocol.sampling import LIMITS
@@ -42,7 +43,17 @@ class JobCreate(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_json(cls, data: Any) -> Any:
-        return check_json(data)
+        return check_body_json(data)
+
+
+def check_body_json(data: Any) -> Any:
+    """A request body's JSON as a pydantic before-validator: `json_value_problem` (for bodies that do
+    not come through HTTP, such as a batch's lines; HTTP bodies are checked before any route), then
+    `check_json`'s depth. Its messages never hold the offending text, so they can be rendered."""
+    problem = json_value_problem(data)
+    if problem is not None:
+        raise ValueError(": ".join(problem))
+    return check_json(data)
 
 
 class JobOutput(BaseModel):

@@ -14,19 +14,24 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from ferry.api.auth import hash_key
 from ferry.api.main import create_app
+from ferry.api.openai_schemas import ChatCompletionRequest
+from ferry.api.schemas import JobCreate
 from ferry.api.settings import ApiSettings
 from ferry.worker.common.addresses import RefusedUrl, is_public
 from ferry.worker.protocol import CompletedEvent, Keys, Timings, Usage, event_to_fields, new_job_id
 from ferry.worker.webhooks.delivery import resolve_target
-from tests.api.conftest import free_port, new_prefix
+from tests.api.conftest import REDIS_URL, Proc, delete_prefix, free_port, new_prefix, wait_until
 from tests.serve.conftest import REPO, RedisServer, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
@@ -40,6 +45,39 @@ def app_on(server: RedisServer, **overrides):
         client.keys = Keys(prefix)
         client.redis = redis.Redis.from_url(server.url, decode_responses=True)
         yield client
+
+
+def start_api(redis_url: str, prefix: str, log_dir: Path, **env: str) -> tuple[Proc, str]:
+    """`ferry api` as a subprocess (uvicorn: the real HTTP server), serving `tiny` with no worker
+    (its jobs stay queued); (the process, its base URL) once it answers."""
+    port = free_port()
+    env = {**os.environ, "FERRY_REDIS_URL": redis_url, "FERRY_KEY_PREFIX": prefix, "FERRY_MODELS": "tiny", **env}
+    proc = Proc("api", ["api", "--host", "127.0.0.1", "--port", str(port)], env, log_dir)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(f"{base}/healthz", timeout=1).status_code == 200, 60, "the API to answer", [proc])
+    return proc, base
+
+
+@dataclass
+class Served:
+    base: str
+    proc: Proc
+    keys: Keys
+    redis: redis.Redis
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One `ferry api` process on the shared Redis for the tests that only send it requests."""
+    prefix = new_prefix()
+    proc, base = start_api(REDIS_URL, prefix, tmp_path_factory.mktemp("api"))
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        yield Served(base, proc, Keys(prefix), client)
+    finally:
+        proc.stop()
+        client.close()
+        delete_prefix(prefix)
 
 
 def queued(client) -> int:
@@ -256,6 +294,65 @@ def test_bad_openai_input_is_a_422(private, extra):
             r = api.post(path, json={"model": "tiny", **base, **extra})
             assert r.status_code == 422, (path, r.text)
         assert queued(api) == before
+
+
+def _job(rest: str) -> str:
+    return '{"input": {"prompt": "x"}, ' + rest + "}"
+
+
+def _chat(rest: str) -> str:
+    return '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], ' + rest + "}"
+
+
+def _schema(schema: str) -> str:
+    return _chat('"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ' + schema + "}}")
+
+
+# (route, body, the place the 422 names). A lone surrogate in an object key was a 500 (the message
+# naming the key could not be encoded), on which uvicorn closed the connection; a number beyond a
+# double's range (1e999 reads as inf) was taken, and stored as null.
+ODD_JSON = {
+    "surrogate in a metadata key": ("/v1/jobs", _job('"metadata": {"\\udfff": "v"}'), "metadata.\\udfff"),
+    "surrogate in a nested metadata key": ("/v1/jobs", _job('"metadata": {"k": [{"\\ud800x": 1}]}'),
+                                           "metadata.k[0].\\ud800x"),
+    "surrogate in an input key": ("/v1/jobs", '{"input": {"prompt": "x", "\\udfff": 1}}', "input.\\udfff"),
+    "surrogate in a top-level key": ("/v1/jobs", _job('"\\udfff": 1'), "\\udfff"),
+    "surrogate in a chat body key": ("/v1/chat/completions", _chat('"\\udfff": 1'), "\\udfff"),
+    "surrogate in a logit_bias key": ("/v1/chat/completions", _chat('"logit_bias": {"\\udc00": 1}'),
+                                      "logit_bias.\\udc00"),
+    "surrogate as a JSON-schema property name": (
+        "/v1/chat/completions", _schema('{"type": "object", "properties": {"\\udfff": {"type": "string"}}}'),
+        "response_format.json_schema.schema.properties.\\udfff"),
+    "surrogate in a batch's metadata": (
+        "/v1/batches", '{"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h", '
+        '"metadata": {"k": "\\udfff"}}', "metadata.k"),
+    "1e999 in metadata": ("/v1/jobs", _job('"metadata": {"k": 1e999}'), "metadata.k"),
+    "-1e999 in a metadata list": ("/v1/jobs", _job('"metadata": {"k": [1, -1e999]}'), "metadata.k[1]"),
+    "NaN in metadata": ("/v1/jobs", _job('"metadata": {"k": NaN}'), "metadata.k"),
+    "1e999 in a field OpenAI routes ignore": ("/v1/chat/completions", _chat('"stream": true, "x": 1e999'), "x"),
+    "1e999 as a JSON-schema bound": ("/v1/chat/completions", _schema('{"type": "number", "maximum": 1e999}'),
+                                     "response_format.json_schema.schema.maximum"),
+}
+
+
+@pytest.mark.parametrize(("path", "body", "where"), list(ODD_JSON.values()), ids=list(ODD_JSON))
+def test_odd_json_anywhere_in_a_body_is_a_422_naming_the_place(served, path, body, where):
+    before = queued(served)
+    with httpx.Client(base_url=served.base, timeout=10) as client:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert error(r, 422, "invalid_request")["param"] == where
+        assert client.get("/healthz").status_code == 200
+    assert queued(served) == before
+    assert "Traceback" not in served.proc.log()
+
+
+def test_a_batch_line_with_a_surrogate_key_is_refused_as_that_line():
+    """Batch lines never pass through the HTTP body check: the request models refuse them too."""
+    line = {"messages": [{"role": "user", "content": "x"}], "\udfff": 1}
+    with pytest.raises(ValidationError, match=r"\\udfff: not valid Unicode"):
+        ChatCompletionRequest.model_validate(line)
+    with pytest.raises(ValidationError, match="metadata.k: not a finite number"):
+        JobCreate.model_validate({"input": {"prompt": "x"}, "metadata": {"k": float("inf")}})
 
 
 def test_ids_that_spell_another_key_are_refused_before_redis(private):
