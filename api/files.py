@@ -8,6 +8,7 @@ whose the file is: another tenant's file id is a 404, as if it did not exist.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 import uuid
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import anyio
 from python_multipart.multipart import MultipartParser, parse_options_header
+from redis.exceptions import RedisError
 from starlette.concurrency import iterate_in_threadpool
 from starlette.requests import Request
 
@@ -24,6 +26,8 @@ from ferry.api.errors import ApiError, not_found
 from ferry.worker.common.objectstore import ObjectStore, StoreError
 from ferry.worker.protocol import Keys
 from ferry.worker.protocol.keys import tenant_tag
+
+log = logging.getLogger("ferry.api.files")
 
 FILE_ID_PATTERN = r"^file-[0-9a-f]{32}(-(output|errors))?$"
 PURPOSES = ("batch", "batch_output")  # what a client may upload, and what Ferry writes
@@ -56,8 +60,10 @@ def new_file_id() -> str:
 
 
 async def save_record(redis, keys: Keys, record: FileRecord) -> None:
-    await redis.hset(keys.file(record.id), mapping={k: str(v) for k, v in asdict(record).items()})
+    """The record, last: the tenant's index first (a listing skips an id without a record), so the
+    file exists once its record does."""
     await redis.zadd(keys.tenant_files(record.tenant), {record.id: record.created_at})
+    await redis.hset(keys.file(record.id), mapping={k: str(v) for k, v in asdict(record).items()})
 
 
 async def get_record(redis, keys: Keys, file_id: str, tenant: str) -> FileRecord:
@@ -203,17 +209,38 @@ class _FormSink:
 
 async def store_upload(redis, keys: Keys, store: ObjectStore, tenant: str, upload: Upload, purpose: str,
                        file_id: str | None = None) -> FileRecord:
-    """Put an uploaded (or driver-written) local file in the store and record it."""
+    """Put an uploaded (or driver-written) local file in the store and record it. An upload that is
+    not recorded (Redis full or away: a 503; the client gone) leaves nothing behind in the store."""
     file_id = file_id or new_file_id()
     record = FileRecord(id=file_id, tenant=tenant, bytes=upload.size, created_at=int(time.time()),
                         filename=upload.filename or f"{file_id}.jsonl", purpose=purpose,
                         object_name=object_name(tenant, file_id))
+    committed = False
     try:
-        await anyio.to_thread.run_sync(store.upload, record.object_name, upload.path)
-    except StoreError as exc:
-        raise ApiError(503, "file_store_unavailable", f"cannot store the file: {exc}") from exc
-    await save_record(redis, keys, record)
+        try:
+            await anyio.to_thread.run_sync(store.upload, record.object_name, upload.path)
+        except StoreError as exc:
+            raise ApiError(503, "file_store_unavailable", f"cannot store the file: {exc}") from exc
+        await save_record(redis, keys, record)
+        committed = True
+    finally:
+        if not committed:
+            with anyio.CancelScope(shield=True):
+                await _discard(redis, keys, store, record)
     return record
+
+
+async def _discard(redis, keys: Keys, store: ObjectStore, record: FileRecord) -> None:
+    """Undo what an upload that failed may have written; what cannot be undone now is logged."""
+    try:
+        await anyio.to_thread.run_sync(store.delete, [record.object_name])
+    except StoreError as exc:
+        log.warning("file %s: an upload that failed left %s in the store: %s", record.id, record.object_name, exc)
+    try:
+        await redis.delete(keys.file(record.id))
+        await redis.zrem(keys.tenant_files(record.tenant), record.id)
+    except (RedisError, OSError) as exc:  # listings skip an index entry without a record; a record left names no object
+        log.warning("file %s: an upload that failed may have left its record: %s", record.id, exc)
 
 
 def list_body(records: list[FileRecord], has_more: bool) -> dict:
