@@ -1,3 +1,3 @@
 """Webhook test fixtures."""
 
-from tests.webhooks.receiver import receiver  # noqa: F401 (a fixture)
+from tests.webhooks.receiver import receiver, slow_receiver  # noqa: F401 (fixtures)
