@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     threading.Thread(target=_relay_or_exit, args=(relay, stop), name="webhook-relay", daemon=True).start()
     concurrency = args.concurrency or settings.webhook_concurrency
+    if settings.webhook_tenant_concurrency >= concurrency:
+        log.warning("FERRY_WEBHOOK_TENANT_CONCURRENCY=%d is not below the %d delivery threads: one tenant's slow "
+                    "receivers can hold them all", settings.webhook_tenant_concurrency, concurrency)
     try:
         app.worker_main(
             [

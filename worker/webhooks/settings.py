@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from ferry.worker.common.settings import FerrySettings
 
@@ -23,8 +23,12 @@ class WebhookSettings(FerrySettings):
     webhook_retry_base_s: float = 2.0  # first retry after ~base, then doubling (with jitter)
     webhook_retry_max_s: float = 3600.0  # cap on one backoff
     webhook_max_attempts: int = 8
-    webhook_timeout_s: float = 10.0
-    webhook_concurrency: int = 16  # delivery threads in the Celery worker
+    # Wall-clock limit on one attempt: resolving the host, connecting, TLS, sending, the answer's headers
+    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_concurrency: int = Field(16, ge=1)  # delivery threads in the Celery worker
+    # Attempts of one tenant in flight at once in one `ferry webhooks` process; its others wait
+    # (deferred, not counted as attempts), so one tenant's slow receivers leave the other threads free
+    webhook_tenant_concurrency: int = Field(4, ge=1)
     webhook_metrics_port: int = 9301  # 0 disables the Prometheus endpoint (unauthenticated: keep it on the pod network)
     webhook_metrics_host: str = "127.0.0.1"  # the address it binds; the pod's IP in Kubernetes
 

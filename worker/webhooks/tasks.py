@@ -1,8 +1,28 @@
-"""Webhook delivery as Celery tasks, one per (job, event), on a broker of their own keys."""
+"""Webhook delivery as Celery tasks, one per (job, event), on a broker of their own keys.
+
+One tenant cannot take every delivery thread. An attempt holds its thread for at most one
+deadline (`delivery`), but a tenant with enough slow receivers could still keep all of a process's
+threads busy, one deadline after another. So each `ferry webhooks` process runs at most
+FERRY_WEBHOOK_TENANT_CONCURRENCY attempts of one tenant at once (`TenantSlots`). A task whose
+tenant is at its limit is not attempted: it is deferred, re-queued through the broker to come back
+about one deadline later (by then a slot of that tenant has freed), with its attempt number
+unchanged, so waiting is never a failed attempt and never uses up the retries; its thread goes
+back to the queue at once.
+
+The limit is per process rather than one count across the fleet because what must hold, that no
+tenant fills a process's threads, holds in every process on its own as long as the limit is below
+FERRY_WEBHOOK_CONCURRENCY, and a local count cannot go wrong: no shared counter, no lease to expire
+when a process dies mid-attempt, no Redis round trip per attempt, the same on Redis and on SQS.
+A tenant may so run (processes x limit) attempts in all: its share grows with the fleet, as
+everyone's does. Deferred tasks still pass through the queue in order with the others, each taking
+a thread only for the moment it takes to defer it again.
+"""
 
 from __future__ import annotations
 
 import logging
+import random
+import threading
 from dataclasses import asdict
 
 from celery import Celery
@@ -61,6 +81,30 @@ def broker_transport_options(settings: WebhookSettings) -> dict:
     return options
 
 
+class TenantSlots:
+    """Attempts in flight per tenant in this process, at most `limit` each."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: dict[str, int] = {}  # tenant -> attempts running; a tenant with none is absent
+        self._lock = threading.Lock()  # delivery threads take and give back slots
+
+    def take(self, tenant: str) -> bool:
+        """A slot for one attempt of `tenant`; False when it has `limit` attempts in flight already."""
+        with self._lock:
+            held = self._in_flight.get(tenant, 0)
+            if held >= self.limit:
+                return False
+            self._in_flight[tenant] = held + 1
+            return True
+
+    def give_back(self, tenant: str) -> None:
+        with self._lock:
+            held = self._in_flight.pop(tenant) - 1
+            if held:
+                self._in_flight[tenant] = held
+
+
 def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     """A Celery app on its broker (`FERRY_CELERY_BROKER_URL`, default the job Redis): on Redis its keys
     live under `<prefix>:celery:`; on SQS (`sqs://`) its one queue is `FERRY_CELERY_SQS_QUEUE_URL`.
@@ -68,7 +112,8 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     of hanging the relay.
 
     `on_final(message, attempt, attempts)` is called once per message when it is settled
-    (delivered, refused, rejected, gone, or out of attempts).
+    (delivered, refused, rejected, gone, or out of attempts). Attempts of one tenant are limited
+    per process (the module's docstring).
     """
     keys = Keys(settings.key_prefix)
     tenants = KeySource(settings.api_keys, settings.api_keys_file)  # re-read when the key file changes
@@ -87,24 +132,38 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
         accept_content=["json"],
     )
 
+    slots = TenantSlots(settings.webhook_tenant_concurrency)
+
     @app.task(name=TASK_NAME, bind=True, max_retries=None)
-    def deliver(task, delivery: dict) -> str:
+    def deliver(task, delivery: dict, attempt: int | None = None) -> str:
         d = WebhookMessage(**delivery)
-        number = task.request.retries + 1
+        # A deferral re-queues the task too, so Celery's retry count is not the attempt number. A
+        # fresh task carries none (its retry count is 0), nor does one queued before this was passed.
+        number = attempt or task.request.retries + 1
         if not settings.webhook_secret:
             raise RuntimeError("FERRY_WEBHOOK_SECRET is not set")
-        attempt = attempt_delivery(
-            d,
-            tenants.current().tenant(d.tenant).webhook_secrets or [settings.webhook_secret],
-            allow_private=settings.webhook_allow_private,
-            timeout_s=settings.webhook_timeout_s,
-        )
-        log.info("webhook %s %s -> %s attempt %d: %s", d.event, d.job_id, d.url, number, attempt.detail)
-        if attempt.outcome == "retry" and number < settings.webhook_max_attempts:
-            raise task.retry(countdown=backoff_s(number, settings.webhook_retry_base_s, settings.webhook_retry_max_s))
+        if not slots.take(d.tenant):
+            log.info("webhook %s %s deferred: tenant %r has %d attempts in flight", d.event, d.job_id, d.tenant,
+                     slots.limit)
+            # A slot of this tenant frees within one deadline.
+            raise task.retry(kwargs={"delivery": delivery, "attempt": number},
+                             countdown=settings.webhook_timeout_s * random.uniform(0.5, 1.5))
+        try:
+            result = attempt_delivery(
+                d,
+                tenants.current().tenant(d.tenant).webhook_secrets or [settings.webhook_secret],
+                allow_private=settings.webhook_allow_private,
+                timeout_s=settings.webhook_timeout_s,
+            )
+        finally:
+            slots.give_back(d.tenant)
+        log.info("webhook %s %s -> %s attempt %d: %s", d.event, d.job_id, d.url, number, result.detail)
+        if result.outcome == "retry" and number < settings.webhook_max_attempts:
+            raise task.retry(kwargs={"delivery": delivery, "attempt": number + 1},
+                             countdown=backoff_s(number, settings.webhook_retry_base_s, settings.webhook_retry_max_s))
         if on_final is not None:
-            on_final(d, attempt, number)
-        return attempt.outcome
+            on_final(d, result, number)
+        return result.outcome
 
     return app
 
