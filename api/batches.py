@@ -1,10 +1,16 @@
 """Batch API batches: the record in Redis, what a line of the input file must be, and the lines
 of the output and error files, all in OpenAI's shapes.
 
-A line is parsed by the same code as a live request (`api.routes.openai`: the request schemas,
-`chat_jobs` / `completion_jobs`, model routing and the vocabulary check), so every sampling field
-and structured outputs behave as on `/v1/chat/completions` and `/v1/completions`; a line's job
-goes to the `low` lane with its `custom_id` and the batch id on the job hash.
+A line is read in two steps, both off the event loop (the batch driver runs them in a thread):
+- its envelope (`read_envelope`): one JSON object of at most `max_body_bytes`, a `custom_id`, the
+  batch's `url`, a `body` object. A line that fails here fails the batch's validation with a line
+  error (`LineError`), as OpenAI's validation does;
+- its request (`build_line`): the body, checked by the same code as a live request
+  (`api.routes.openai`: the request schemas, `chat_jobs` / `completion_jobs`, model routing, the
+  model's limits), so every sampling field and structured outputs behave as on
+  `/v1/chat/completions` and `/v1/completions`. A body the live route would refuse becomes that
+  line's answer in the error file, with the live route's status and error body (`refused_line`);
+  the other lines run. A line's job goes to the `low` lane with its `custom_id` and the batch id.
 """
 
 from __future__ import annotations
@@ -12,9 +18,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -23,9 +29,10 @@ from starlette.concurrency import iterate_in_threadpool
 from ferry.api.errors import ApiError, error_body
 from ferry.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from ferry.api.routes.openai import Shape, chat_jobs, completion_jobs, job_error
-from ferry.api.services import Services, check_against_model, resolve_model
+from ferry.api.services import ModelLimits, Services, model_limits, resolve_model
 from ferry.worker.common.objectstore import ObjectStore
-from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority
+from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority, UnreadableRecord
+from ferry.worker.protocol.jobs import MAX_JSON_DEPTH, json_problem
 
 BATCH_ID_PATTERN = r"^batch_[0-9a-f]{32}$"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -36,6 +43,11 @@ MAX_REPORTED_ERRORS = 1000  # line errors kept on a batch that fails validation
 STATUS_TIMES = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
                 "failed": "failed_at", "expired": "expired_at", "cancelling": "cancelling_at",
                 "cancelled": "cancelled_at"}
+# One read of the input file hands over at most this many lines or bytes: the thread that splits
+# and parses them gives the event loop back between two groups.
+_GROUP_LINES = 256
+_GROUP_BYTES = 4 << 20
+INTERNAL_ERROR = ApiError(500, "internal_error", "internal server error")  # a line the driver could not handle
 
 
 def new_batch_id() -> str:
@@ -64,104 +76,216 @@ def batch_json(raw: dict) -> dict:
     }
 
 
+# --- reading the input file ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A line of the input file that passed validation's checks; its body is checked when it runs."""
+
+    number: int  # 1-based line number in the file
+    custom_id: str
+    body: dict  # the request, as the line has it
+
+
+class LineError(Exception):
+    """Why a line fails validation (OpenAI's `errors.data` entry)."""
+
+    def __init__(self, number: int, code: str, message: str, param: str | None = None, custom_id: str = "") -> None:
+        super().__init__(message)
+        self.number, self.code, self.message, self.param = number, code, message, param
+        self.custom_id = custom_id  # when the line got as far as naming one
+
+    def to_json(self) -> dict:
+        # Up to MAX_REPORTED_ERRORS of these live in the batch's hash: a message quoting the line
+        # (a model name, a url) is cut short.
+        message = self.message if len(self.message) <= 512 else self.message[:509] + "..."
+        return {"code": self.code, "message": message, "param": self.param, "line": self.number}
+
+
+def read_envelope(number: int, raw: bytes | None, endpoint: str, max_bytes: int) -> Envelope:
+    """The line `raw` (None: longer than `max_bytes`, its bytes skipped) as an envelope, or LineError."""
+    if raw is None:
+        raise LineError(number, "line_too_large", f"this line is over the {max_bytes}-byte limit of a request body")
+    try:
+        item = json.loads(raw)
+    except RecursionError:
+        raise LineError(number, "invalid_json_line", "this line is nested too deeply to parse") from None
+    except ValueError as exc:
+        raise LineError(number, "invalid_json_line", f"this line is not valid JSON: {exc}") from None
+    if not isinstance(item, dict):
+        raise LineError(number, "invalid_json_line", "a line must be a JSON object")
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError(number, "missing_required_parameter", "custom_id: a non-empty string is required", "custom_id")
+    if json_problem(custom_id, 1) is not None:  # it is written back in the output, which is UTF-8
+        raise LineError(number, "invalid_request", "custom_id: not valid Unicode (a lone surrogate)", "custom_id")
+    if item.get("method", "POST") != "POST":
+        raise LineError(number, "invalid_request", "method: only POST is supported", "method", custom_id)
+    if item.get("url") != endpoint:
+        raise LineError(number, "mismatched_endpoint",
+                        f"url: {item.get('url')!r} is not the batch's endpoint {endpoint!r}", "url", custom_id)
+    body = item.get("body")
+    if not isinstance(body, dict):
+        raise LineError(number, "missing_required_parameter", "body: a JSON object is required", "body", custom_id)
+    return Envelope(number, custom_id, body)
+
+
+def _split_lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[list[tuple[int, bytes | None]]]:
+    """Groups of (1-based line number, bytes) of the non-blank lines; a line over `max_bytes` is
+    (number, None), its bytes skipped as they stream by, never held."""
+    group: list[tuple[int, bytes | None]] = []
+    group_bytes = number = size = 0
+    pieces: list[bytes] = []
+    for chunk in chunks:
+        start = 0
+        while start <= len(chunk):
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            size += len(piece)
+            if size <= max_bytes:
+                pieces.append(piece)
+            if end < 0:
+                break
+            number += 1
+            line = b"".join(pieces) if size <= max_bytes else None
+            if line is None or line.strip():
+                group.append((number, line))
+                group_bytes += min(size, max_bytes)
+            pieces, size, start = [], 0, end + 1
+            if len(group) >= _GROUP_LINES or group_bytes >= _GROUP_BYTES:
+                yield group
+                group, group_bytes = [], 0
+    line = b"".join(pieces) if size <= max_bytes else None
+    if line is None or line.strip():
+        group.append((number + 1, line))
+    if group:
+        yield group
+
+
+def envelope_groups(chunks: Iterable[bytes], endpoint: str, max_bytes: int) -> Iterator[list[Envelope | LineError]]:
+    """The file's lines, read and parsed group by group (a thread's work)."""
+    for group in _split_lines(chunks, max_bytes):
+        items: list[Envelope | LineError] = []
+        for number, raw in group:
+            try:
+                items.append(read_envelope(number, raw, endpoint, max_bytes))
+            except LineError as exc:
+                items.append(exc)
+        yield items
+
+
+def read_envelopes(store: ObjectStore, object_name: str, endpoint: str, max_bytes: int
+                   ) -> AsyncIterator[list[Envelope | LineError]]:
+    """`envelope_groups` of a stored file, each group read and parsed in a worker thread."""
+    return iterate_in_threadpool(envelope_groups(store.read_chunks(object_name), endpoint, max_bytes))
+
+
+# --- a line's request ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a line's `model` goes: routed on the event loop, read by the thread that builds the job."""
+
+    model: str  # the served model
+    limits: ModelLimits | None  # what its workers reported (None: none has run yet)
+
+
+async def route_models(svc: Services, envelopes: Iterable[Envelope], routes: dict[str | None, Route | ApiError]
+                       ) -> None:
+    """Add to `routes` each model the envelopes name (a string, or none for the default) that is not
+    there yet, routed as the live route does (ApiError: the live route's refusal)."""
+    for envelope in envelopes:
+        name = envelope.body.get("model")
+        if (name is None or isinstance(name, str)) and name not in routes:
+            try:
+                model = await resolve_model(svc, name)
+                routes[name] = Route(model, await model_limits(svc, model))
+            except ApiError as exc:
+                routes[name] = exc
+
+
 @dataclass(slots=True)
 class Line:
-    """One request line of the input file."""
+    """One request line of the input file, as the job it becomes."""
 
     number: int  # 1-based line number in the file
     custom_id: str
     job: JobRequest
 
 
-class LineError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
-
-    def to_json(self, line: int) -> dict:
-        return {"code": self.code, "message": self.message, "param": self.param, "line": line}
-
-
-async def read_lines(store: ObjectStore, object_name: str) -> AsyncIterator[tuple[int, bytes]]:
-    """(1-based line number, bytes) of every non-blank line, streamed from the store."""
-    chunks: Iterator[bytes] = store.read_chunks(object_name)
-    pending = b""
-    number = 0
-    async for chunk in iterate_in_threadpool(chunks):
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        for raw in complete:
-            number += 1
-            if raw.strip():
-                yield number, raw
-    if pending.strip():
-        yield number + 1, pending
-
-
-async def parse_line(svc: Services, tenant: str, batch_id: str, endpoint: str, number: int, raw: bytes,
-                     ttl_s: float) -> Line:
-    """A line as the job it becomes; LineError says what is wrong with it (OpenAI's error codes)."""
-    try:
-        item = json.loads(raw)
-    except ValueError as exc:
-        raise LineError("invalid_json_line", f"this line is not valid JSON: {exc}") from None
-    if not isinstance(item, dict):
-        raise LineError("invalid_json_line", "a line must be a JSON object")
-    custom_id = item.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise LineError("missing_required_parameter", "custom_id: a non-empty string is required", "custom_id")
-    if item.get("method", "POST") != "POST":
-        raise LineError("invalid_request", "method: only POST is supported", "method")
-    if item.get("url") != endpoint:
-        raise LineError("mismatched_endpoint", f"url: {item.get('url')!r} is not the batch's endpoint {endpoint!r}",
-                        "url")
-    body = item.get("body")
-    if not isinstance(body, dict):
-        raise LineError("missing_required_parameter", "body: a JSON object is required", "body")
+def build_line(svc: Services, tenant: str, batch_id: str, endpoint: str, envelope: Envelope,
+               routes: dict[str | None, Route | ApiError], ttl_s: float) -> Line:
+    """The line's job as the live route would make it; ApiError with the live route's answer when it
+    would refuse the request. Parses the whole body: run it in a thread."""
+    body = envelope.body
+    problem = json_problem(body, MAX_JSON_DEPTH)  # pydantic itself fails on a lone surrogate in a key
+    if problem is not None:
+        raise ApiError(422, "invalid_request", problem)
     if body.get("stream"):
-        raise LineError("invalid_request", "body.stream: a batch line is answered whole", "body.stream")
+        raise ApiError(422, "unsupported", "stream: a batch line is answered whole", field="stream")
     try:
-        return await _line_job(svc, tenant, batch_id, endpoint, number, custom_id, body, ttl_s)
+        chat = endpoint == "/v1/chat/completions"
+        request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+        route = routes.get(request.model) or ApiError(404, "model_not_found", f"model {request.model!r} is not served")
+        if isinstance(route, ApiError):
+            raise route
+        if chat:
+            if request.logprobs:
+                raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
+            jobs = chat_jobs(svc, tenant, route.model, request)
+            if len(jobs) != 1:
+                raise ApiError(422, "unsupported", "n: one choice per batch line", field="n")
+        else:
+            if request.logprobs is not None:
+                raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
+            jobs = completion_jobs(svc, tenant, route.model, request)
+            if len(jobs) != 1:
+                raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
     except (ValidationError, RequestValidationError) as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if p != "body")
-        raise LineError("invalid_request", f"body.{where}: {first['msg']}", f"body.{where}") from None
-    except ApiError as exc:
-        param = f"body.{exc.field}" if exc.field else None
-        raise LineError(exc.code, exc.message, param) from None
-
-
-async def _line_job(svc: Services, tenant: str, batch_id: str, endpoint: str, number: int, custom_id: str,
-                    body: dict, ttl_s: float) -> Line:
-    echo = False  # completions' `echo`: the output puts the prompt before the text
-    if endpoint == "/v1/chat/completions":
-        request = ChatCompletionRequest.model_validate(body)
-        if request.logprobs:
-            raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
-        model = await resolve_model(svc, request.model)
-        jobs = chat_jobs(svc, tenant, model, request)
-        if len(jobs) != 1:
-            raise ApiError(422, "unsupported", "n: one choice per batch line", field="n")
-        job = jobs[0]
-    else:
-        request = CompletionRequest.model_validate(body)
-        if request.logprobs is not None:
-            raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
-        model = await resolve_model(svc, request.model)
-        jobs = completion_jobs(svc, tenant, model, request)
-        if len(jobs) != 1:
-            raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
-        job = jobs[0]
-        echo = request.echo
-    await check_against_model(svc, job)
-    metadata = {**job.metadata, "batch_id": batch_id, "custom_id": custom_id} | ({"echo": True} if echo else {})
+        raise _invalid(exc.errors()) from None
+    job = jobs[0]
+    if route.limits is not None and isinstance(job.prompt, list) and len(job.prompt) >= route.limits.max_model_len:
+        raise ApiError(422, "prompt_too_long", f"prompt has {len(job.prompt)} tokens; max_model_len is "
+                       f"{route.limits.max_model_len}")
+    echo = {"echo": True} if not chat and request.echo else {}  # completions' echo: the prompt before the text
+    metadata = {**job.metadata, "batch_id": batch_id, "custom_id": envelope.custom_id} | echo
     job = job.model_copy(update={"priority": Priority.low, "ttl_s": max(ttl_s, 1.0), "metadata": metadata,
                                  "created_at": time.time()})
-    return Line(number, custom_id, job)
+    return Line(envelope.number, envelope.custom_id, job)
+
+
+def _invalid(errors: list[dict]) -> ApiError:
+    """A validation error as the live route answers it (`api.errors`)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    field = ""
+    for part in (p for p in first.get("loc", ()) if p != "body"):
+        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return ApiError(422, "invalid_request", f"{field}: {message}" if field else message, field=field or None)
+
+
+# --- output and error lines ----------------------------------------------------------------------
 
 
 def request_id(job_id: str) -> str:
     return f"batch_req_{job_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnd:
+    """How a job that did not complete ended, as its record keeps it: what `job_error` reads of a
+    terminal event (the record has no event's `seq` or `ts`)."""
+
+    type: Literal["failed", "cancelled", "timed_out"]
+    code: str  # an ErrorCode
+    message: str
+
+    @classmethod
+    def of(cls, record: JobRecord) -> JobEnd:
+        kind = {JobState.cancelled: "cancelled", JobState.timed_out: "timed_out"}.get(record.state, "failed")
+        return cls(kind, record.error_code or "job_failed", record.error_message or "")
 
 
 def output_line(record: JobRecord, custom_id: str, chat: bool, echo: str) -> tuple[bool, str]:
@@ -174,19 +298,47 @@ def output_line(record: JobRecord, custom_id: str, chat: bool, echo: str) -> tup
                       tool_calls=list(record.tool_calls or []))
         response = {"status_code": 200, "request_id": record.id, "body": shape.body(record.finish_reason, record.usage)}
         return True, _jsonl({"id": request_id(record.id), "custom_id": custom_id, "response": response, "error": None})
-    ended = SimpleNamespace(type={JobState.cancelled: "cancelled", JobState.timed_out: "timed_out"}.get(
-        record.state, "failed"), code=record.error_code or "job_failed", message=record.error_message or "")
-    error = job_error(ended)
+    error = job_error(JobEnd.of(record))
     response = {"status_code": error.status, "request_id": record.id,
                 "body": error_body(error.status, error.code, error.message)}
     return False, _jsonl({"id": request_id(record.id), "custom_id": custom_id, "response": response, "error": None})
 
 
+def answer_line(fields: dict, custom_id: str, chat: bool) -> tuple[bool, str]:
+    """(succeeded, the JSONL line) for a line whose job ended, from the job's hash; a hash that is
+    gone or unreadable (Redis lost it) is answered `job_state_lost`, never left in flight."""
+    try:
+        record = JobRecord.from_redis(fields)
+    except UnreadableRecord:
+        record = None
+    if record is None:
+        return False, unanswered_line(custom_id, "job_state_lost",
+                                      "the job store lost this request's job (Redis restarted without persistence, "
+                                      "or the job expired): submit it again")
+    request = record.request
+    echoed = request is not None and request.metadata.get("echo") and isinstance(request.prompt, str)
+    return output_line(record, custom_id, chat, request.prompt if echoed else "")
+
+
+def refused_line(custom_id: str, error: ApiError) -> str:
+    """The error-file line of a request refused before it ran, as the live route answers it."""
+    response = {"status_code": error.status, "request_id": None,
+                "body": error_body(error.status, error.code, error.message, error.field)}
+    return _jsonl({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": None})
+
+
 def unanswered_line(custom_id: str, code: str, message: str) -> str:
-    """The error-file line of a line that never ran (the batch expired first)."""
+    """The error-file line of a line the batch never ran (it expired or was cancelled first)."""
     return _jsonl({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
                    "error": {"code": code, "message": message}})
 
 
-def _jsonl(value: dict) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n"
+# JSON leaves these raw inside strings, but a reader that splits text on Unicode line breaks (Python's
+# str.splitlines, JavaScript's) would cut such a record in two: OpenAI's JSONL escapes them.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def _jsonl(value: Any) -> str:
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    # A lone surrogate (no UTF-8 encoder takes one) can only sit inside a JSON string: written as its escape.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n"

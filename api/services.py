@@ -63,6 +63,10 @@ class ApiMetrics:
         self.jobs = Counter("ferry_api_jobs_submitted", "Jobs enqueued", ["model", "source"], registry=self.registry)
         self.open_streams = Gauge("ferry_api_open_streams", "Event streams being followed", registry=self.registry)
         self.open_streams.set_function(open_streams)
+        self.batch_driver_errors = Counter(
+            "ferry_api_batch_driver_errors", "Unexpected exceptions of the batch driver: on a batch (retried, then "
+            "it fails) or on one line (that line is answered internal_error)", ["scope"], registry=self.registry
+        )
 
 
 @dataclass(slots=True)
