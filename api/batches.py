@@ -177,8 +177,13 @@ def envelope_groups(chunks: Iterable[bytes], endpoint: str, max_bytes: int) -> I
 
 def read_envelopes(store: ObjectStore, object_name: str, endpoint: str, max_bytes: int
                    ) -> AsyncIterator[list[Envelope | LineError]]:
-    """`envelope_groups` of a stored file, each group read and parsed in a worker thread."""
-    return iterate_in_threadpool(envelope_groups(store.read_chunks(object_name), endpoint, max_bytes))
+    """`envelope_groups` of a stored file, each group read and parsed in a worker thread (the store's
+    first read too: on S3 it is a request)."""
+
+    def groups() -> Iterator[list[Envelope | LineError]]:
+        yield from envelope_groups(store.read_chunks(object_name), endpoint, max_bytes)
+
+    return iterate_in_threadpool(groups())
 
 
 # --- a line's request ------------------------------------------------------------------------------

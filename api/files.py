@@ -98,10 +98,11 @@ async def delete_file(redis, keys: Keys, store: ObjectStore, record: FileRecord)
     await anyio.to_thread.run_sync(store.delete, [record.object_name])
 
 
-def stream_content(store: ObjectStore, record: FileRecord) -> AsyncIterator[bytes]:
-    """The file's bytes chunk by chunk (the store's reads run in worker threads)."""
+async def stream_content(store: ObjectStore, record: FileRecord) -> AsyncIterator[bytes]:
+    """The file's bytes chunk by chunk (the store's reads run in worker threads, the first too: on
+    S3 it is a request)."""
     try:
-        chunks: Iterator[bytes] = store.read_chunks(record.object_name)
+        chunks: Iterator[bytes] = await anyio.to_thread.run_sync(store.read_chunks, record.object_name)
     except StoreError as exc:
         raise ApiError(503, "file_store_unavailable", f"file {record.id!r}: {exc}") from exc
     return iterate_in_threadpool(chunks)

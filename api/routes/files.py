@@ -66,7 +66,7 @@ async def retrieve(file_id: FileId, svc: Svc, tenant_name: Tenant) -> dict:
 @router.get("/{file_id}/content", responses=error_responses(401, 404, 503), summary="A file's bytes (streamed)")
 async def content(file_id: FileId, svc: Svc, store: Store, tenant_name: Tenant) -> StreamingResponse:
     record = await get_record(svc.redis, svc.keys, file_id, tenant_name)
-    return StreamingResponse(stream_content(store, record), media_type="application/jsonl",
+    return StreamingResponse(await stream_content(store, record), media_type="application/jsonl",
                              headers={"Content-Length": str(record.bytes)})
 
 
