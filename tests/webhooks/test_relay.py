@@ -4,11 +4,14 @@ the broker is back. A relay that stops anyway takes its process down."""
 
 from __future__ import annotations
 
+import base64
+import json
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from dataclasses import asdict
 
 import pytest
 import redis
@@ -25,9 +28,11 @@ from ferry.worker.protocol import (
     event_to_fields,
 )
 from ferry.worker.protocol.keys import watch_value
+from ferry.worker.webhooks.delivery import WebhookMessage
 from ferry.worker.webhooks.relay import Relay
 from ferry.worker.webhooks.settings import WebhookSettings
 from ferry.worker.webhooks.tasks import make_celery
+from tests.api.conftest import REDIS_URL, delete_prefix, new_prefix
 from tests.serve.conftest import REPO, RedisServer, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
@@ -99,3 +104,48 @@ def test_a_relay_that_stops_takes_its_process_down():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 70, done.stderr
+
+
+def _handed_over(raw: str) -> dict:
+    """The webhook message in a Celery task as kombu keeps it in a Redis list."""
+    envelope = json.loads(raw)
+    _, kwargs, _ = json.loads(base64.b64decode(envelope["body"]))
+    return kwargs["delivery"]
+
+
+@pytest.mark.redis
+def test_an_event_or_outbox_entry_the_relay_cannot_read_stops_no_other_webhook():
+    prefix = new_prefix()
+    keys = Keys(prefix)
+    settings = WebhookSettings(redis_url=REDIS_URL, key_prefix=prefix, webhook_secret=SECRET)
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    relay = Relay(settings, make_celery(settings))
+    try:
+        plain = _finished_job_with_a_webhook(client, keys)
+        # A newer worker's events, with a field this relay's event models do not know; and an entry
+        # that is no event at all before a job's terminal event.
+        started = json.loads(StartedEvent(seq=0, worker_id="w", attempt=1).model_dump_json()) | {"gpu": "h100"}
+        done = json.loads(CompletedEvent(seq=1, finish_reason="length", usage=Usage(), timings=Timings())
+                          .model_dump_json())
+        newer = _finished_job_with_a_webhook(client, keys)
+        garbled = _finished_job_with_a_webhook(client, keys)
+        for job_id, entries in ((newer, [started, done | {"reasoning_tokens": 3}]), (garbled, [{"junk": 1}, done])):
+            client.delete(keys.events(job_id))
+            for seq, event in enumerate(entries):
+                fields = {"seq": seq, "type": event["type"], "data": json.dumps(event)} if "type" in event else event
+                client.xadd(keys.events(job_id), fields, id=f"{seq}-1")
+        client.xadd(keys.webhook_outbox, {"webhook_id": "msg_half", "job_id": "batch_1"})  # not a whole message
+        whole = WebhookMessage("msg_batch_2", "batch_2", "batch.completed", "https://example.com/b", "{}", "t")
+        client.xadd(keys.webhook_outbox, asdict(whole))
+
+        relay.step(block_ms=100)
+
+        for job_id in (plain, newer, garbled):
+            assert client.exists(keys.webhook_sent(job_id, "job.completed")), job_id
+        assert client.hlen(keys.webhook_watch) == 0 and client.xlen(keys.webhook_outbox) == 0
+        queued = [k for k in client.scan_iter(f"{keys.celery_prefix}*") if client.type(k) == "list"]
+        handed = [_handed_over(raw)["webhook_id"] for key in queued for raw in client.lrange(key, 0, -1)]
+        assert sorted(handed) == sorted([f"msg_{job}_completed" for job in (plain, newer, garbled)] + ["msg_batch_2"])
+    finally:
+        client.close()
+        delete_prefix(prefix)

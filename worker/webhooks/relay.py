@@ -7,6 +7,11 @@ entry it handled per job in the watch hash (so a restart resumes where it stoppe
 that ran while the relay was down is still reported), and hands `job.started` and the terminal
 event to Celery once each (`{p}:webhooks:sent:…` NX guards against double hand-offs). A job
 leaves the watch set after its terminal event, or when its hash has expired.
+
+One bad entry stops no one else's webhooks: of an event the relay reads only its type and time
+(an event of a newer worker, with a field this version does not know, is relayed all the same),
+and an event or outbox message it cannot read at all is logged and passed over. Only a failure of
+Redis or of the broker, which every message would meet, makes the relay retry its step.
 """
 
 from __future__ import annotations
@@ -20,15 +25,8 @@ from datetime import UTC, datetime
 import redis
 
 from ferry.worker.common.connect import connect
-from ferry.worker.protocol import (
-    TERMINAL_EVENT_TYPES,
-    WEBHOOK_EVENT_FOR,
-    JobRecord,
-    JobState,
-    Keys,
-    UnreadableRecord,
-    event_from_fields,
-)
+from ferry.worker.protocol import TERMINAL_EVENT_TYPES, WEBHOOK_EVENT_FOR, JobRecord, JobState, Keys, UnreadableRecord
+from ferry.worker.protocol.codec import decoded
 from ferry.worker.protocol.keys import parse_watch_value, watch_value
 from ferry.worker.webhooks.delivery import Attempt, WebhookMessage
 from ferry.worker.webhooks.settings import WebhookSettings
@@ -66,6 +64,13 @@ def job_payload(event_name: str, record: JobRecord, ts: float) -> dict:
         data["error"] = {"code": record.error_code, "message": record.error_message} if record.error_code else None
     timestamp = datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
     return {"type": event_name, "timestamp": timestamp, "data": data}
+
+
+def _event_type_and_time(fields: dict) -> tuple[str, float]:
+    """An event stream entry's type and the time in its event: all the relay needs, read without
+    validating the rest of the event."""
+    entry = decoded(fields)
+    return entry["type"], float(json.loads(entry["data"])["ts"])
 
 
 class Relay:
@@ -130,12 +135,16 @@ class Relay:
 
     def _handle(self, job_id: str, entries: list, registered_at: float) -> None:
         """Relay a batch of one job's events, then move its mark (or drop it after the last)."""
-        for _, fields in entries:
-            event = event_from_fields(fields)
-            name = WEBHOOK_EVENT_FOR.get(event.type)
+        for entry_id, fields in entries:
+            try:
+                kind, ts = _event_type_and_time(fields)
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("relay: job %s: event %s is unreadable (%r); passed over", job_id, entry_id, exc)
+                continue
+            name = WEBHOOK_EVENT_FOR.get(kind)
             if name is not None:
-                self._hand_off(job_id, name, event.ts)
-            if event.type in TERMINAL_EVENT_TYPES:
+                self._hand_off(job_id, name, ts)
+            if kind in TERMINAL_EVENT_TYPES:
                 self.redis.hdel(self.keys.webhook_watch, job_id)
                 return
         self.redis.hset(self.keys.webhook_watch, job_id, watch_value(entries[-1][0], registered_at))
@@ -169,7 +178,13 @@ class Relay:
         entries = self.redis.xrange(self.keys.webhook_outbox, count=100)
         for entry_id, fields in entries:
             given = {name: fields[name] for name in WebhookMessage.__slots__ if name in fields}
-            enqueue(self.app, WebhookMessage(**given))
+            try:
+                message = WebhookMessage(**given)
+            except TypeError:  # a field missing
+                log.warning("relay: outbox entry %s is not a whole webhook message (%s); dropped", entry_id,
+                            sorted(fields))
+            else:
+                enqueue(self.app, message)
             self.redis.xdel(self.keys.webhook_outbox, entry_id)
         return bool(entries)
 
