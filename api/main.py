@@ -7,9 +7,11 @@ of its own, so any number of replicas can run behind a load balancer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI
 
 from ferry.api.auth import KeyRing
@@ -117,10 +119,32 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     return app
 
 
+def stream_deadline_s(grace_s: float) -> float:
+    """How long after SIGTERM open streams and waits go on before they are ended (`PubSubHub.stop`):
+    up to 2 s before the grace period is over, so that their last writes go out before uvicorn
+    cancels whatever is left."""
+    return max(grace_s - 2.0, grace_s / 2)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, whose graceful shutdown also ends the app's open streams and waits in time
+    (uvicorn's own waits for them to end, then cuts what is left mid-body)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float):
+        super().__init__(config)
+        self._app, self._grace_s = app, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        hub = self._app.state.services.hub
+        timer = asyncio.get_running_loop().call_later(stream_deadline_s(self._grace_s), hub.stop)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`ferry api`: serve the API with uvicorn."""
-    import uvicorn
-
     settings = ApiSettings()
     parser = argparse.ArgumentParser(prog="ferry api", description=main.__doc__)
     parser.add_argument("--host", default=settings.host, help=f"bind address (FERRY_HOST, default {settings.host})")
@@ -128,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    # Open streams (SSE, OpenAI streams) are closed once the grace period after SIGTERM is over.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=settings.shutdown_grace_s)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=settings.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
+    _Server(config, app, settings.shutdown_grace_s).run()
     return 0

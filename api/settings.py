@@ -20,7 +20,9 @@ class ApiSettings(FerrySettings):
     max_wait_s: float = 60.0  # cap on `Prefer: wait=N`
     idempotency_ttl_s: int = 86400
     sse_keepalive_s: float = 15.0
-    shutdown_grace_s: float = 10.0  # after SIGTERM: how long open streams may go on before they are closed
+    # After SIGTERM: how long requests in flight may go on. Open streams and waits end cleanly before
+    # it is over (a stream with a comment saying where to resume), at most 2 s before (api.main).
+    shutdown_grace_s: float = 10.0
     usage_metrics_tenants: int = 20  # tenants (first by name) with their own `tenant` label on /metrics; rest: other
     # --- Batch API ---
     files_url: str = "ferry-files"  # where files live: file:///dir, a local path, or s3://bucket/prefix

@@ -10,6 +10,10 @@ exactly once.
 One pub/sub connection per API process serves every follower (`PubSubHub`). On a Redis Cluster
 the job channels are shard channels (SSUBSCRIBE: the workers SPUBLISH), one connection per node
 that owns a followed channel's slot.
+
+When the process shuts down (`PubSubHub.stop`), every follow ends at once, before its job does:
+a stream then ends with `resume_comment`, and the client picks the job up with `Last-Event-ID`
+from any API process, since the events are stored.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_even
 log = logging.getLogger("ferry.api")
 
 RESYNC = object()  # put on every follower's queue when live messages may have been missed
+STOP = object()  # put on every follower's queue when the process shuts down: its follow ends there
 # A cluster's pub/sub polls its node connections in turn, each for up to the timeout: short, so one
 # idle node never holds back another's messages.
 _SHARDED_POLL_S = 0.002
@@ -49,6 +54,7 @@ class PubSubHub:
         # first subscribes would each open one, leaving all but the last unread (their messages lost).
         self._subscribing = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self.stopping = False  # set by stop(): follows end before their jobs do
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._read(), name="pubsub-hub")
@@ -60,6 +66,15 @@ class PubSubHub:
                 await self._task
         await self._pubsub.aclose()
 
+    def stop(self) -> None:
+        """End every follow (`follow_events`) at its next message, and any begun from now on right
+        after its stored events: the process is shutting down, and its streams must end cleanly
+        while there is time."""
+        self.stopping = True
+        for followers in self._queues.values():
+            for queue in followers:
+                queue.put_nowait(STOP)
+
     @property
     def num_followers(self) -> int:
         return sum(len(queues) for queues in self._queues.values())
@@ -69,6 +84,8 @@ class PubSubHub:
         queue: asyncio.Queue = asyncio.Queue()
         followers = self._queues.setdefault(channel, set())
         followers.add(queue)
+        if self.stopping:
+            queue.put_nowait(STOP)
         try:
             if len(followers) == 1:
                 async with self._subscribing:
@@ -145,7 +162,7 @@ async def follow_events(
 
     Events come in batches of whatever is available at once, so a burst (a replay, or a follower
     that fell behind) goes out in one write. Yields None after `idle_s` without an event (time
-    for a keep-alive).
+    for a keep-alive). Ends early, without the terminal event, once `hub.stopping`.
     """
     if after >= 0 and await _ended_by(client, keys, job_id, after):
         return  # resuming at or after the last event: nothing follows
@@ -167,8 +184,12 @@ async def follow_events(
                     if await _ended_by(client, keys, job_id, last):
                         return  # the end was at or before where this follower started
                     break  # re-read the stream after every idle spell: nothing can stay missed
+                drained = [first, *(live.get_nowait() for _ in range(live.qsize()))]
+                stop = any(data is STOP for data in drained)
                 batch, resync = [], False
-                for data in [first, *(live.get_nowait() for _ in range(live.qsize()))]:
+                for data in drained:
+                    if data is STOP:
+                        break
                     if data is RESYNC:
                         resync = True
                         break
@@ -186,6 +207,8 @@ async def follow_events(
                     yield batch
                     if batch[-1].type in TERMINAL_EVENT_TYPES:
                         return
+                if stop:
+                    return
                 if resync:
                     break
 
@@ -205,6 +228,13 @@ def sse_json(payload: dict, **kwargs) -> str:
 
 
 KEEPALIVE = ": keep-alive\n\n"
+
+
+def resume_comment(job_id: str, last_seq: int) -> str:
+    """The last message of a stream ended by the process shutting down (an SSE comment, which
+    clients skip): where the job's events go on. The job itself goes on."""
+    after = f" with Last-Event-ID: {last_seq}" if last_seq >= 0 else ""
+    return f": shutting down; resume at /v1/jobs/{job_id}/events{after}\n\n"
 # OpenAPI for an SSE response: the schema of one event (as OpenAPI 3.2's itemSchema describes it).
 SSE_EVENT_SCHEMA = {
     "type": "object",

@@ -27,7 +27,7 @@ from ferry.api.schemas import (
     error_responses,
 )
 from ferry.api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
-from ferry.api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse
+from ferry.api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, resume_comment, sse
 from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
@@ -203,8 +203,15 @@ async def job_events(
     after = int(last_event_id) if last_event_id is not None else -1
 
     async def stream():
+        last, ended = after, False
         async for batch in follow_events(svc.redis, svc.hub, svc.keys, job_id, after, svc.settings.sse_keepalive_s):
-            yield KEEPALIVE if batch is None else "".join(sse(encode_event(e), event=e.type, id=e.seq) for e in batch)
+            if batch is None:
+                yield KEEPALIVE
+                continue
+            yield "".join(sse(encode_event(e), event=e.type, id=e.seq) for e in batch)
+            last, ended = batch[-1].seq, batch[-1].type in TERMINAL_EVENT_TYPES
+        if not ended and svc.hub.stopping:
+            yield resume_comment(job_id, last)
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -36,7 +36,7 @@ from ferry.api.openai_schemas import (
 from ferry.api.ratelimit import admit_jobs
 from ferry.api.schemas import error_responses
 from ferry.api.services import Services, cancel_job, check_against_model, refund, resolve_model, services, submit
-from ferry.api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, sse, sse_json
+from ferry.api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, resume_comment, sse, sse_json
 from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     ErrorCode,
@@ -61,6 +61,7 @@ _INPUT_ERRORS = {
 MAX_PROMPTS = 64  # prompts in one /v1/completions request: each is a job of its own
 _PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
+_ENDED = object()  # what anext() gives for a follow that has ended
 
 
 # --- requests -> jobs ----------------------------------------------------------------------------
@@ -345,8 +346,11 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
     except BaseException:
         await _cancel_all(svc, job_ids)
         raise
-    if any(end is None for end in ends):  # the client went away
+    if any(end is None for end in ends):  # the client went away, or the process is shutting down
         await _cancel_all(svc, job_ids)
+        if svc.hub.stopping:
+            raise ApiError(503, "shutting_down", "this server is shutting down; retry",
+                           headers={"Retry-After": "1"})
         return JSONResponse({}, status_code=499)
     bodies = [shape.body(end.finish_reason, end.usage) for shape, end in zip(shapes, ends, strict=True)]
     body = bodies[0] | {"choices": [b["choices"][0] for b in bodies]}
@@ -436,7 +440,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
         return []
 
     async def body():
-        finished = False
+        finished, last_seq = False, -1
         last_write = time.monotonic()
         try:
             first = shape.first_chunk()
@@ -447,17 +451,21 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
                     for event in batch:
                         out += render(event)
                     finished = bool(batch) and batch[-1].type in TERMINAL_EVENT_TYPES
+                    last_seq = batch[-1].seq if batch else last_seq
                 if out or (batch is None and time.monotonic() - last_write >= svc.settings.sse_keepalive_s):
                     last_write = time.monotonic()
                     yield "".join(out) or KEEPALIVE  # a burst of events goes out as one write
                     out = []
                 if finished:
                     break
-                batch = await anext(events)
+                batch = await anext(events, _ENDED)
+                if batch is _ENDED:  # before the terminal event: the process is shutting down
+                    yield resume_comment(job_id, last_seq)
+                    break
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
-            if not finished:  # the client went away mid-stream
+            if not finished and not svc.hub.stopping:  # the client went away mid-stream
                 await _cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -466,7 +474,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
 @router.post(
     "/completions",
     response_model=CompletionResponse,
-    responses=sse_200(CompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 504),
+    responses=sse_200(CompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 503, 504),
     summary="Create a completion (OpenAI-compatible)",
 )
 async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
@@ -484,7 +492,7 @@ async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_n
 @router.post(
     "/chat/completions",
     response_model=ChatCompletionResponse,
-    responses=sse_200(ChatCompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 504),
+    responses=sse_200(ChatCompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 503, 504),
     summary="Create a chat completion (OpenAI-compatible)",
 )
 async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):

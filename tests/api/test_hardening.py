@@ -5,14 +5,12 @@ its shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +27,20 @@ from ferry.api.openai_schemas import ChatCompletionRequest
 from ferry.api.schemas import JobCreate
 from ferry.api.settings import ApiSettings
 from ferry.worker.common.addresses import RefusedUrl, is_public
-from ferry.worker.protocol import CompletedEvent, Keys, Timings, Usage, event_to_fields, new_job_id
+from ferry.worker.protocol import (
+    CompletedEvent,
+    Keys,
+    StartedEvent,
+    Timings,
+    TokenEvent,
+    Usage,
+    encode_event,
+    event_to_fields,
+    new_job_id,
+)
 from ferry.worker.webhooks.delivery import resolve_target
 from tests.api.conftest import REDIS_URL, Proc, delete_prefix, free_port, new_prefix, wait_until
-from tests.serve.conftest import REPO, RedisServer, wait_for
+from tests.serve.conftest import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
@@ -51,6 +59,7 @@ def start_api(redis_url: str, prefix: str, log_dir: Path, **env: str) -> tuple[P
     """`ferry api` as a subprocess (uvicorn: the real HTTP server), serving `tiny` with no worker
     (its jobs stay queued); (the process, its base URL) once it answers."""
     port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FERRY_REDIS_URL": redis_url, "FERRY_KEY_PREFIX": prefix, "FERRY_MODELS": "tiny", **env}
     proc = Proc("api", ["api", "--host", "127.0.0.1", "--port", str(port)], env, log_dir)
     base = f"http://127.0.0.1:{port}"
@@ -184,46 +193,94 @@ def test_a_finished_jobs_stream_ends_whatever_the_last_event_id(private):
             assert time.monotonic() - started < 5 and "data:" not in body, (last_id, body)
 
 
-def test_sigterm_closes_open_streams_within_the_grace_period(private, tmp_path):
+def emit(client: redis.Redis, keys: Keys, job_id: str, event) -> None:
+    """Write an event as a worker does: into the job's stream (entry id `{seq}-1`), then published."""
+    client.xadd(keys.events(job_id), event_to_fields(event), id=f"{event.seq}-1")
+    client.publish(keys.channel(job_id), encode_event(event))
+
+
+async def _read_stream(client: httpx.AsyncClient, got: list[str], method: str, url: str, **kwargs) -> str:
+    """A stream's whole body, also appended to `got` as it comes. Raises if the body is cut."""
+    async with client.stream(method, url, **kwargs) as r:
+        assert r.status_code == 200, await r.aread()
+        async for text in r.aiter_text():
+            got.append(text)
+    return "".join(got)
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.02)
+
+
+N_JOB_STREAMS = 200
+N_CHAT_STREAMS = 10
+_CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_sigterm_ends_every_open_stream_cleanly_where_it_can_resume(private, tmp_path):
+    """SIGTERM with hundreds of streams open: each ends before the grace period is over with a
+    complete body whose last message says where to resume (uvicorn used to cut them mid-body at
+    its end, with a CancelledError traceback), a request waiting for its job gets a definite
+    answer, and after a restart a stream resumes from its Last-Event-ID."""
     prefix = new_prefix()
-    port = free_port()
-    env = {**os.environ, "FERRY_REDIS_URL": private.url, "FERRY_KEY_PREFIX": prefix, "FERRY_MODELS": "tiny",
-           "FERRY_SHUTDOWN_GRACE_S": "1", "FERRY_SSE_KEEPALIVE_S": "0.5"}
-    log = (tmp_path / "api.log").open("w")
-    command = [sys.executable, "-m", "ferry.worker.cli", "api", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    rdb = redis.Redis.from_url(private.url, decode_responses=True)
+    proc, base = start_api(private.url, prefix, tmp_path / "before", FERRY_SHUTDOWN_GRACE_S="6")
+    api = Served(base, proc, Keys(prefix), rdb)
+    job_ids = [httpx.post(f"{base}/v1/jobs", json={"input": {"prompt": "x"}}).json()["id"]
+               for _ in range(N_JOB_STREAMS)]
+    for job_id in job_ids:
+        emit(rdb, api.keys, job_id, StartedEvent(seq=0, worker_id="w", attempt=1))
+    chat_ids: list[str] = []
+
+    async def run() -> tuple[list, httpx.Response, httpx.Response]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+            got: list[list[str]] = [[] for _ in range(N_JOB_STREAMS + N_CHAT_STREAMS)]
+            streams = [asyncio.create_task(_read_stream(client, got[i], "GET", f"/v1/jobs/{job_id}/events"))
+                       for i, job_id in enumerate(job_ids)]
+            streams += [asyncio.create_task(_read_stream(client, got[i], "POST", "/v1/chat/completions",
+                                                         json=_CHAT_BODY | {"stream": True}))
+                        for i in range(N_JOB_STREAMS, N_JOB_STREAMS + N_CHAT_STREAMS)]
+            chat = asyncio.create_task(client.post("/v1/chat/completions", json=_CHAT_BODY))
+            prefer = asyncio.create_task(client.post("/v1/jobs", json={"input": {"prompt": "x"}},
+                                                     headers={"Prefer": "wait=60"}))
+            # Every stream open, and the two waits past their enqueue (each request queues one job).
+            await asyncio.wait_for(_until(lambda: all(got) and queued(api) == len(got) + 2), 60)
+            for pieces in got[N_JOB_STREAMS:]:  # each chat stream's job is mid-answer
+                chat_ids.append(json.loads(pieces[0].split("data: ", 1)[1].split("\n", 1)[0])["id"][len("chatcmpl-"):])
+                emit(rdb, api.keys, chat_ids[-1], StartedEvent(seq=0, worker_id="w", attempt=1))
+                emit(rdb, api.keys, chat_ids[-1], TokenEvent(seq=1, text="hi", token_ids=[1]))
+            await asyncio.wait_for(_until(lambda: all('"hi"' in "".join(g) for g in got[N_JOB_STREAMS:])), 60)
+            proc.popen.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*streams, return_exceptions=True), await chat, await prefer
+
     try:
-        wait_for(lambda: _answers(base), 60, "the API to answer")
-        job_id = httpx.post(f"{base}/v1/jobs", json={"input": {"prompt": "x"}}).json()["id"]  # no worker: never ends
-        opened = threading.Event()
-
-        def follow():
-            with contextlib.suppress(httpx.HTTPError), httpx.stream("GET", f"{base}/v1/jobs/{job_id}/events",
-                                                                     timeout=60) as r:
-                for _ in r.iter_lines():
-                    opened.set()
-
-        reader = threading.Thread(target=follow, daemon=True)
-        reader.start()
-        assert opened.wait(20)
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-        assert time.monotonic() - started < 10
-        reader.join(10)
-        assert not reader.is_alive()
+        bodies, chat, prefer = asyncio.run(run())
+        proc.popen.wait(30)  # uvicorn re-raises the SIGTERM once it has shut down: -15
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.stop()
+    cut = [b for b in bodies if isinstance(b, BaseException)]
+    assert not cut, f"{len(cut)} streams cut: {cut[:3]}"
+    for job_id, body in zip(job_ids + chat_ids, bodies, strict=True):
+        last = 0 if job_id in job_ids else 1
+        assert body.endswith(f": shutting down; resume at /v1/jobs/{job_id}/events with Last-Event-ID: {last}\n\n")
+    assert all(rdb.hget(api.keys.job(job_id), "state") == "queued" for job_id in chat_ids)  # they go on
+    error(chat, 503, "shutting_down")
+    assert prefer.status_code == 202 and prefer.json()["status"] == "queued"
+    log = proc.log()
+    assert "Traceback" not in log and "CancelledError" not in log and "Cancel " not in log, log[-3000:]
 
-
-def _answers(base: str) -> bool:
+    proc, base = start_api(private.url, prefix, tmp_path / "after")
     try:
-        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+        for job_id, last in ((job_ids[0], 0), (chat_ids[0], 1)):
+            done = CompletedEvent(seq=last + 1, finish_reason="length", usage=Usage(), timings=Timings())
+            emit(rdb, api.keys, job_id, done)
+            with httpx.stream("GET", f"{base}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": str(last)}) as r:
+                body = "".join(r.iter_text())
+            assert body.startswith(f"id: {last + 1}\nevent: completed\n") and body.count("id: ") == 1, body
+    finally:
+        proc.stop()
 
 
 # --- tenants ---------------------------------------------------------------------------------------
