@@ -11,8 +11,10 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ferry.api.auth import KeyRing
 from ferry.api.batch_driver import BatchDriver
@@ -143,6 +145,32 @@ class _Server(uvicorn.Server):
             timer.cancel()
 
 
+class _HeadTimeoutH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline on every request head: a connection whose request
+    line and headers are not all in `head_timeout_s` after it opened, or after its previous response,
+    is closed. uvicorn's keep-alive timer stops at the first byte, so a client sending its headers
+    a byte at a time (slowloris) would hold its connection for ever. Bodies are not limited so."""
+
+    head_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_timed_out(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no whole request head yet
+            self.transport.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`ferry api`: serve the API with uvicorn."""
     settings = ApiSettings()
@@ -152,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
+    http = type("HeadTimeoutH11", (_HeadTimeoutH11,), {"head_timeout_s": settings.http_head_timeout_s})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=settings.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
+                            access_log=False, http=http, timeout_keep_alive=settings.http_keep_alive_s,
+                            timeout_graceful_shutdown=settings.shutdown_grace_s)
     _Server(config, app, settings.shutdown_grace_s).run()
     return 0

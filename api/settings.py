@@ -23,6 +23,8 @@ class ApiSettings(FerrySettings):
     # After SIGTERM: how long requests in flight may go on. Open streams and waits end cleanly before
     # it is over (a stream with a comment saying where to resume), at most 2 s before (api.main).
     shutdown_grace_s: float = 10.0
+    http_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
+    http_head_timeout_s: float = 10.0  # a request's line and headers must all arrive within this (slowloris)
     usage_metrics_tenants: int = 20  # tenants (first by name) with their own `tenant` label on /metrics; rest: other
     # --- Batch API ---
     files_url: str = "ferry-files"  # where files live: file:///dir, a local path, or s3://bucket/prefix

@@ -10,7 +10,9 @@ import contextlib
 import ipaddress
 import json
 import os
+import select
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +81,8 @@ class Served:
 def served(tmp_path_factory):
     """One `ferry api` process on the shared Redis for the tests that only send it requests."""
     prefix = new_prefix()
-    proc, base = start_api(REDIS_URL, prefix, tmp_path_factory.mktemp("api"))
+    proc, base = start_api(REDIS_URL, prefix, tmp_path_factory.mktemp("api"), FERRY_HTTP_HEAD_TIMEOUT_S="1",
+                           FERRY_HTTP_KEEP_ALIVE_S="1")
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     try:
         yield Served(base, proc, Keys(prefix), client)
@@ -281,6 +284,69 @@ def test_sigterm_ends_every_open_stream_cleanly_where_it_can_resume(private, tmp
             assert body.startswith(f"id: {last + 1}\nevent: completed\n") and body.count("id: ") == 1, body
     finally:
         proc.stop()
+
+
+# --- connections that must be closed ----------------------------------------------------------------
+
+_HEAD = b"GET /healthz HTTP/1.1\r\nHost: ferry\r\nX-Padding: " + b"a" * 300 + b"\r\n\r\n"
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _answered(sock: socket.socket) -> bool:
+    """Read one /healthz answer whole; whether it was a 200."""
+    answer = b""
+    while not answer.endswith(b'{"status":"ok"}'):
+        chunk = sock.recv(4096)
+        if not chunk:
+            return False
+        answer += chunk
+    return answer.startswith(b"HTTP/1.1 200 ")
+
+
+def _send_slowly(sock: socket.socket, data: bytes) -> bool:
+    """Send `data` a byte at a time, 50 ms apart; whether the server closed the connection first."""
+    for byte in data:
+        try:
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+        readable, _, _ = select.select([sock], [], [], 0.05)
+        if readable and _closed(sock):
+            return True
+    return False
+
+
+def test_a_connection_sending_its_headers_a_byte_at_a_time_is_closed(served):
+    """Slowloris: uvicorn's keep-alive timer stops at a request's first byte, so a head that never
+    ends held its connection for ever. With FERRY_HTTP_HEAD_TIMEOUT_S=1 the whole head must be in
+    within a second: these bytes would take 17 s."""
+    port = int(served.base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        assert _send_slowly(sock, _HEAD), "the connection outlived its whole head, sent a byte at a time"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # after a first answer, too
+        sock.sendall(_HEAD)
+        assert _answered(sock)
+        assert _send_slowly(sock, _HEAD)
+
+
+def test_a_connection_that_sends_nothing_is_closed(served):
+    port = int(served.base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        assert _closed(sock)  # within FERRY_HTTP_HEAD_TIMEOUT_S; a socket timeout (30 s) fails the test
+
+
+def test_an_idle_keep_alive_connection_is_closed(served):
+    port = int(served.base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_HEAD)
+        assert _answered(sock)
+        assert _closed(sock)  # after FERRY_HTTP_KEEP_ALIVE_S
 
 
 # --- tenants ---------------------------------------------------------------------------------------
