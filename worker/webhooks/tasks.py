@@ -4,24 +4,24 @@ One tenant cannot take every delivery thread. An attempt holds its thread for at
 deadline (`delivery`), but a tenant with enough slow receivers could still keep all of a process's
 threads busy, one deadline after another. So each `ferry webhooks` process runs at most
 FERRY_WEBHOOK_TENANT_CONCURRENCY attempts of one tenant at once (`TenantSlots`). A task whose
-tenant is at its limit is not attempted: it is deferred, re-queued through the broker to come back
-about one deadline later (by then a slot of that tenant has freed), with its attempt number
-unchanged, so waiting is never a failed attempt and never uses up the retries; its thread goes
-back to the queue at once.
+tenant is at its limit is not attempted: it is deferred, re-queued through the broker with its
+attempt number unchanged, so waiting is never a failed attempt and never uses up the retries, and
+its thread goes back to the queue at once. A deferred task comes back after the retry backoff
+(FERRY_WEBHOOK_RETRY_BASE_S, doubling with each deferral, at most FERRY_WEBHOOK_RETRY_MAX_S): a
+tenant with a deep backlog costs the broker a few re-queues a second, not one per task per deadline.
 
 The limit is per process rather than one count across the fleet because what must hold, that no
 tenant fills a process's threads, holds in every process on its own as long as the limit is below
 FERRY_WEBHOOK_CONCURRENCY, and a local count cannot go wrong: no shared counter, no lease to expire
 when a process dies mid-attempt, no Redis round trip per attempt, the same on Redis and on SQS.
 A tenant may so run (processes x limit) attempts in all: its share grows with the fleet, as
-everyone's does. Deferred tasks still pass through the queue in order with the others, each taking
-a thread only for the moment it takes to defer it again.
+everyone's does. Deferred tasks still pass through the one queue in order with the others (it is
+not a fair queue), each taking a thread only for the moment it takes to defer it again.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from dataclasses import asdict
 
@@ -135,7 +135,7 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
     slots = TenantSlots(settings.webhook_tenant_concurrency)
 
     @app.task(name=TASK_NAME, bind=True, max_retries=None)
-    def deliver(task, delivery: dict, attempt: int | None = None) -> str:
+    def deliver(task, delivery: dict, attempt: int | None = None, deferrals: int = 0) -> str:
         d = WebhookMessage(**delivery)
         # A deferral re-queues the task too, so Celery's retry count is not the attempt number. A
         # fresh task carries none (its retry count is 0), nor does one queued before this was passed.
@@ -145,9 +145,10 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
         if not slots.take(d.tenant):
             log.info("webhook %s %s deferred: tenant %r has %d attempts in flight", d.event, d.job_id, d.tenant,
                      slots.limit)
-            # A slot of this tenant frees within one deadline.
-            raise task.retry(kwargs={"delivery": delivery, "attempt": number},
-                             countdown=settings.webhook_timeout_s * random.uniform(0.5, 1.5))
+            raise task.retry(
+                kwargs={"delivery": delivery, "attempt": number, "deferrals": deferrals + 1},
+                countdown=backoff_s(deferrals + 1, settings.webhook_retry_base_s, settings.webhook_retry_max_s),
+            )
         try:
             result = attempt_delivery(
                 d,
