@@ -206,6 +206,7 @@ class BatchDriver:
         self.validations.pop(batch_id, None)
 
     async def _on_error(self, batch_id: str, exc: Exception) -> None:
+        """What an exception advancing one batch does (to that batch only)."""
         if isinstance(exc, Fenced):
             return
         if isinstance(exc, ApiError) and exc.code == "file_not_found":  # the input file was deleted under the batch
@@ -247,9 +248,9 @@ class BatchDriver:
             raise
         except Exception:
             log.exception("batch %s: cannot write the lines it answered", batch_id)
-        message = (f"the batch driver failed {_MAX_BATCH_ERRORS} times on this batch ({type(exc).__name__}); "
-                   "the lines it answered are in its files")
-        await self._fail(batch_id, "internal_error", message, **files)
+        message = f"the batch driver failed {_MAX_BATCH_ERRORS} times on this batch ({type(exc).__name__})"
+        await self._fail(batch_id, "internal_error", message + ("; the lines it answered are in its files" if files
+                                                                 else ""), **files)
         if files:
             await self._delete_parts(batch_id)
 
