@@ -26,6 +26,7 @@ from ferry.worker.protocol import (
 )
 from ferry.worker.protocol.keys import watch_value
 from ferry.worker.webhooks.delivery import WebhookMessage
+from ferry.worker.webhooks.relay import Relay
 from ferry.worker.webhooks.settings import WebhookSettings
 from ferry.worker.webhooks.signing import verify
 from ferry.worker.webhooks.tasks import broker_transport_options, enqueue, make_celery
@@ -139,3 +140,31 @@ def test_a_retry_cap_beyond_what_sqs_can_hold_invisible_is_refused_at_start():
     done = subprocess.run([sys.executable, "-m", "ferry.worker.cli", "webhooks"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "SQS allows at most 43200" in done.stderr
+
+
+def test_a_message_sqs_refuses_holds_back_only_its_own_job(sqs_endpoint, monkeypatch):
+    endpoint, sqs = sqs_endpoint
+    for name, value in AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    prefix = new_prefix()
+    keys = Keys(prefix)
+    settings = WebhookSettings(redis_url=REDIS_URL, key_prefix=prefix, celery_broker_url=f"sqs://{endpoint}",
+                               celery_sqs_queue_url=_queue_with_a_dead_letter_queue(sqs, prefix.replace("-", "_")),
+                               celery_sqs_region="us-east-1", webhook_secret=SECRET)
+    relay = Relay(settings, make_celery(settings))
+    jobs = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        huge = _finished_job(jobs, keys, "https://example.com/huge")
+        jobs.hset(keys.job(huge), "text", "x" * 1_100_000)  # its job.completed is over SQS's 1 MiB a message
+        fine = _finished_job(jobs, keys, "https://example.com/fine")
+
+        assert relay.step(block_ms=100)  # neither raises nor waits on the refused message
+
+        assert jobs.exists(keys.webhook_sent(fine, "job.completed")) and not jobs.hexists(keys.webhook_watch, fine)
+        assert _messages(sqs, settings.celery_sqs_queue_url) == 1
+        assert relay.handoff_failures == 1
+        assert not jobs.exists(keys.webhook_sent(huge, "job.completed"))  # not lost: still watched, tried later
+        assert jobs.hexists(keys.webhook_watch, huge)
+    finally:
+        jobs.close()
+        delete_prefix(prefix)

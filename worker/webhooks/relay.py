@@ -10,8 +10,11 @@ leaves the watch set after its terminal event, or when its hash has expired.
 
 One bad entry stops no one else's webhooks: of an event the relay reads only its type and time
 (an event of a newer worker, with a field this version does not know, is relayed all the same),
-and an event or outbox message it cannot read at all is logged and passed over. Only a failure of
-Redis or of the broker, which every message would meet, makes the relay retry its step.
+and an event or outbox message it cannot read at all is logged and passed over. A job whose
+hand-off fails for itself (the broker refuses that one message: over SQS's size limit, say) is
+held back, its events unmarked, and tried again after a backoff of its own while the others go
+on. Only a failure of Redis or of the connection to the broker, which every message would meet,
+makes the relay retry its whole step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from datetime import UTC, datetime
 
 import redis
+from kombu.exceptions import OperationalError
 
 from ferry.worker.common.connect import connect
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, WEBHOOK_EVENT_FOR, JobRecord, JobState, Keys, UnreadableRecord
@@ -83,6 +87,7 @@ class Relay:
         self.redis = client or connect(settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
                                        socket_connect_timeout=2.0, socket_timeout=RELAY_BLOCK_S + 2.0)
         self._last_gc = 0.0
+        self._held: dict[str, tuple[float, float]] = {}  # job whose hand-off failed -> (retry at, backoff) monotonic s
         self.handoff_failures = 0  # relay steps that failed (exported as ferry_webhook_handoff_failures_total)
 
     def run(self, stop: threading.Event) -> None:
@@ -110,14 +115,34 @@ class Relay:
         watched = {job: parse_watch_value(v) for job, v in self.redis.hgetall(self.keys.webhook_watch).items()}
         if time.time() - self._last_gc > GC_INTERVAL_S:
             self._forget_expired(watched)
-        if not watched:
+        now = time.monotonic()
+        self._held = {job: held for job, held in self._held.items() if job in watched}
+        ready = {job: mark for job, mark in watched.items() if self._held.get(job, (now, 0.0))[0] <= now}
+        if not ready:
             return sent_outbox
-        jobs_of = {self.keys.events(job): job for job in watched}
-        answer, blocked = self._read(watched, block_ms)
+        jobs_of = {self.keys.events(job): job for job in ready}
+        answer, blocked = self._read(ready, block_ms)
         for stream, entries in answer:
             job_id = jobs_of[stream]
-            self._handle(job_id, entries, watched[job_id][1])
+            self._handle_apart(job_id, entries, ready[job_id][1])
         return blocked or bool(answer)
+
+    def _handle_apart(self, job_id: str, entries: list, registered_at: float) -> None:
+        """`_handle`, with a failure of this job's own kept to it: logged and counted, its mark left
+        where it was, and the job held back for a backoff of its own (doubling while it fails). A
+        failure of Redis or of the connection to the broker is everyone's, and fails the step."""
+        try:
+            self._handle(job_id, entries, registered_at)
+        except (redis.RedisError, OperationalError):
+            raise
+        except Exception as exc:  # the broker refused this message, or its data broke the hand-off
+            self.handoff_failures += 1
+            backoff = min(_RETRY_MAX_S, 2 * self._held.get(job_id, (0.0, _RETRY_MIN_S / 2))[1])
+            self._held[job_id] = (time.monotonic() + backoff, backoff)
+            log.warning("relay: job %s: %s: %s; its webhooks wait %.1f s, the others go on", job_id,
+                        type(exc).__name__, exc, backoff)
+        else:
+            self._held.pop(job_id, None)
 
     def _read(self, watched: dict[str, tuple[str, float]], block_ms: int) -> tuple[list, bool]:
         """New events of the watched jobs: one XREAD per queue shard, since one XREAD names streams of
