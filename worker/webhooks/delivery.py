@@ -170,8 +170,12 @@ class _BoundedStream(httpcore.NetworkStream):
 
     def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                   timeout: float | None = None) -> _BoundedStream:
-        with self._until_deadline("doing the TLS handshake", httpcore.ConnectError):
-            sock = ssl_context.wrap_socket(self._sock, server_hostname=server_hostname)
+        try:
+            with self._until_deadline("doing the TLS handshake", httpcore.ConnectError):
+                sock = ssl_context.wrap_socket(self._sock, server_hostname=server_hostname)
+        except BaseException:
+            self.close()  # httpcore closes the streams it got, and it gets none from a failed handshake
+            raise
         return _BoundedStream(sock, self._deadline, self._budget)
 
     def close(self) -> None:
