@@ -1,51 +1,19 @@
 """Speculate only where it pays, measured: decode-step throughput with and without proposals.
 
 Whether verifying k+1 tokens per request, plus the proposer's own work, beats one token per
-request depends on the device, the two models, the batch size and the acceptance of the moment;
-no fixed threshold gets all of them right (measured against the simple rule, acceptance pausing
-plus a batch-size cutoff: equal on SmolLM2 with n-gram, but at batch 1 it runs the trained toy
-pair's draft at 0.68-0.73x where the governor holds 0.98x; bench/README.md). So for each batch
-size (rounded to a power of two) the governor keeps the emitted tokens and the time of recent
-decode-only steps that verified proposals and of recent ones that did not, measures a few of
-each first, then lets requests propose while the first's rate (tokens over time, stalled steps
-left out: `_Side.add`) has been the higher, and now and then measures the slower side again:
-soon after a change, then at doubling intervals while it stays slower, so that probing a loss
-costs little and a change in load or acceptance still shows. A probe's timed step replaces the
-slower side's earlier samples, which describe the requests and load of a while ago: a probe that
-finds speculation now faster (the text being generated has started to repeat the prompt, say)
-measures one more step and then switches, where stale samples would have outvoted several probes
-at doubling intervals. Were both steps lucky, the side's next steps show it within a few.
-
-When the running requests turn over (fewer than half of them were running at the last
-turnover), each batch size keeps its choice and its measurements, and its probe interval starts
-again from `probe_every`: the new requests' acceptance is unknown, so the slower side is measured
-again soon, but the device, the models and the step's cost per token have not changed, so
-nothing is re-measured from scratch (that would cost a whole draft catch-up and several slow
-steps for every new batch of requests). A server that moves from free text to code edits switches
-within a probe interval, and speculating requests that stop being accepted are paused one by one
-(spec_decode) while the speculating side's own recent steps show the slowdown.
-
-A probe costs more than its step's own time (a batch-8 probe can cost several plain steps), and
-the governor keeps it to `probe_budget` of the time, in two parts:
-- per batch size, what the last probe's timed steps took beyond what the faster side would
-  have for the same tokens: the next probe waits until the faster side has run for 1 /
-  `probe_budget` times that;
-- for the whole engine, the catch-up: a draft model that proposed nothing for a while first
-  feeds on every token since, a new request's whole prompt included (a batch of new prompts can
-  cost many plain steps). The governor keeps the last catch-up's seconds
-  per token; the caller says how many tokens the proposer would have to catch up on now. A probe
-  or a batch size's first measurement of speculation runs only while that catch-up would cost at
-  most `probe_budget` of the plain steps' time since speculation last ran. Where it would cost
-  more, the draft stays idle; a batch size whose choice is to speculate pays the catch-up, as
-  part of what speculating costs.
-
-A probe must come back with a measurement: a step that cannot be timed (the draft first caught
-up on the tokens of a long plain stretch, or a prefill chunk shared the step) would otherwise
-cost a probe and teach nothing, so such a probe is repeated on the next decision (at most
-`_PROBE_RETRIES` times).
+request depends on the device, the two models, the batch size and the acceptance of the moment:
+no fixed threshold gets all of them right (bench/README.md, "The speedup governor"). So for each
+batch size (rounded to a power of two) the governor times recent decode-only steps with proposals
+and without, measures a few of each first, then lets requests propose while that side's rate
+(tokens over time) has been the higher, and probes the slower side now and then: soon after a
+change, then at doubling intervals while it stays slower, so that a probe costs little and a
+change in load or acceptance still shows. A probe's first timed step replaces the slower side's
+stale samples; a switch takes two probe steps that agree. When most running requests are new,
+each batch size keeps its measurements but probes again soon. Probes, and a draft model's
+catch-up on tokens it missed, may cost at most `probe_budget` of the faster side's time.
 
 Only throughput changes with the decision: greedy tokens are the same either way, sampled ones
-follow the same distribution, and seeded ones are the same tokens (see spec_decode.verify).
+follow the same distribution, and seeded ones are the same tokens (see spec/decode.py, `verify`).
 """
 
 from __future__ import annotations
@@ -70,9 +38,8 @@ class _Side:
         """One measured step (`replace`: instead of the recent ones). The rate is the recent
         steps' tokens over their time, leaving out a step that took more than `_STALL` times the
         median: another process stalled it, and it says nothing of this side. Tokens are summed,
-        not taken at the median: at acceptance 0.4 a verification emits 1 token about half the
-        time and up to k + 1 the rest (the median step would count a mean of 2.6 as 1.5), and at
-        batch 8 a step where more requests proposed takes longer and emits more."""
+        not taken at the median: a verification emits anything from 1 to k + 1 tokens, and a
+        step where more requests proposed takes longer and emits more."""
         if replace:
             self.recent.clear()
         self.recent.append((tokens, seconds))
@@ -152,7 +119,7 @@ class SpecGovernor:
                 return not bucket.faster
         if faster != bucket.faster and bucket.fresh == 1:
             # One probe step says the slower side is now the faster: measure it once more before
-            # switching (at batch 8, one verification may emit anything from 8 to 40 tokens).
+            # switching (bench/README.md: one verification's tokens vary widely).
             bucket.probing, bucket.retries = True, 0
             return faster
         if faster != bucket.faster:

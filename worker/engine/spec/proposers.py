@@ -141,7 +141,7 @@ class DraftProposer:
                 counts.append(k)
         drafted: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
-        # Seeded requests race on the noise their verification will use (see spec_decode.verify).
+        # Seeded requests race on the noise their verification will use (see spec/decode.py, `verify`).
         noise = [
             peek_noise(r, k, self.vocab_size) if r.generator is not None and not r.params.greedy else None
             for r, k in zip(active, counts, strict=True)
