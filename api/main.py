@@ -86,6 +86,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             replication=ReplicationWaiter(client, settings.redis_min_replicas, settings.redis_replica_timeout_ms)
             if settings.redis_min_replicas else None,
         )
+        app.state.services.heartbeats.start()
         app.state.files_store = open_store(settings.files_url, settings.s3_endpoint_url)
         driver = BatchDriver(app.state.services, app.state.files_store)
         driver.start()
@@ -94,6 +95,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             yield
         finally:
             await driver.close()
+            await app.state.services.heartbeats.close()
             await hub.close()
             if app.state.services.replication is not None:
                 await app.state.services.replication.aclose()

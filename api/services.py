@@ -9,6 +9,7 @@ relay.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -69,6 +70,47 @@ class ApiMetrics:
         )
 
 
+class ModelHeartbeats:
+    """Each served model's last worker heartbeat (`{p}:models`) as this process last read it: what
+    routing, /v1/models and /readyz go by. A task reads it every MODEL_CACHE_S (`start`), so no
+    request waits for it: a read of its own would wait its turn for a pooled Redis connection
+    behind every open stream's reads."""
+
+    def __init__(self, redis: aredis.Redis, keys: Keys):
+        self._redis, self._keys = redis, keys
+        self._beats: dict[str, float] | None = None  # model -> unix time of its last heartbeat
+        self._read_at = float("-inf")  # monotonic
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._refresh_forever(), name="model-heartbeats")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def beats(self) -> dict[str, float]:
+        """The last read; read now only when there is none yet, or (no task started) none recent."""
+        if self._beats is None or (self._task is None and time.monotonic() - self._read_at > MODEL_CACHE_S):
+            return await self.refresh()
+        return self._beats
+
+    async def refresh(self) -> dict[str, float]:
+        self._beats = dict(await self._redis.zrange(self._keys.models, 0, -1, withscores=True))
+        self._read_at = time.monotonic()
+        return self._beats
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (aredis.RedisError, OSError) as exc:  # Redis away: the requests that need it answer 503
+                log.debug("model heartbeats not read: %s", exc)
+            await asyncio.sleep(MODEL_CACHE_S)
+
+
 @dataclass(slots=True)
 class Services:
     settings: ApiSettings
@@ -78,12 +120,14 @@ class Services:
     keyring: KeyRing
     metrics: ApiMetrics
     configured_models: frozenset[str]  # FERRY_MODELS: accepted even with no live worker
-    # (monotonic time, names): live models as last read, reused for routing for MODEL_CACHE_S
-    models_seen: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
     models_remembered: frozenset[str] = frozenset()  # seen live (or with limits) by this process: routable
     limits_seen: dict[str, tuple[float, ModelLimits | None]] = field(default_factory=dict)
     redis_started: tuple[float, float] = (float("-inf"), 0.0)  # (monotonic read time, unix start time)
     replication: ReplicationWaiter | None = None  # FERRY_REDIS_MIN_REPLICAS > 0: a 202 waits for the replicas
+    heartbeats: ModelHeartbeats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.heartbeats = ModelHeartbeats(self.redis, self.keys)
 
 
 async def services(request: Request) -> Services:
@@ -91,19 +135,21 @@ async def services(request: Request) -> Services:
     return request.app.state.services
 
 
+def live(beats: dict[str, float], liveness_s: float) -> list[str]:
+    """The models of `beats` with a heartbeat within `liveness_s`."""
+    since = time.time() - liveness_s
+    return [name for name, at in beats.items() if at >= since]
+
+
 async def live_models(svc: Services) -> list[str]:
     """Models with a worker heartbeat within `model_liveness_s`."""
-    since = time.time() - svc.settings.model_liveness_s
-    return list(await svc.redis.zrangebyscore(svc.keys.models, since, "+inf"))
+    return live(await svc.heartbeats.beats(), svc.settings.model_liveness_s)
 
 
-async def _routable_models(svc: Services) -> frozenset[str]:
-    # Routing reads the heartbeat set at most once per MODEL_CACHE_S: one round trip less per request.
-    seen_at, names = svc.models_seen
-    if time.monotonic() - seen_at > MODEL_CACHE_S:
-        names = frozenset(await live_models(svc))
-        svc.models_seen = (time.monotonic(), names)
-        svc.models_remembered |= names
+async def _routable_models(svc: Services, fresh: bool = False) -> frozenset[str]:
+    beats = await (svc.heartbeats.refresh() if fresh else svc.heartbeats.beats())
+    names = frozenset(live(beats, svc.settings.model_liveness_s))
+    svc.models_remembered |= names
     return names | svc.configured_models | svc.models_remembered
 
 
@@ -113,6 +159,8 @@ async def resolve_model(svc: Services, name: str | None, field: str = "model") -
     was seen live by this process, or left its limits in Redis (workers write them for a week):
     a Redis restart or a pool scaled to zero is never a 404."""
     known = await _routable_models(svc)
+    if name is not None and name not in known:
+        known = await _routable_models(svc, fresh=True)  # a model that has just come up
     if name is None:
         if len(known) == 1:
             return next(iter(known))

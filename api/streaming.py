@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -107,8 +108,11 @@ class PubSubHub:
 
     async def _read(self) -> None:
         while True:
-            if not self._queues:
-                self._subscribed.clear()
+            if not self._queues or not self._subscribed.is_set():
+                # Nothing to read, or a first follower still subscribing: redis-py's pub/sub has no
+                # connection before its first subscribe, and reading it then raises.
+                if not self._queues:
+                    self._subscribed.clear()
                 await self._subscribed.wait()
                 continue
             try:
@@ -156,14 +160,20 @@ async def _ended_by(client: aredis.Redis, keys: Keys, job_id: str, seq: int) -> 
 
 
 async def follow_events(
-    client: aredis.Redis, hub: PubSubHub, keys: Keys, job_id: str, after: int = -1, idle_s: float = 15.0
+    client: aredis.Redis, hub: PubSubHub, keys: Keys, job_id: str, after: int = -1, idle_s: float = 15.0,
+    resync_s: float | None = None,
 ) -> AsyncIterator[list[Event] | None]:
     """Yield the job's events with seq > `after` once each, in order, ending with the terminal one.
 
     Events come in batches of whatever is available at once, so a burst (a replay, or a follower
-    that fell behind) goes out in one write. Yields None after `idle_s` without an event (time
-    for a keep-alive). Ends early, without the terminal event, once `hub.stopping`.
+    that fell behind) goes out in one write. Yields None after each `idle_s` without an event (time
+    for a keep-alive, or to see whether the client is still there); after `resync_s` (default
+    `idle_s`) without one it reads the stream again, so nothing pub/sub lost stays missed. A tick
+    costs no Redis call: idle followers must not keep the process's Redis pool busy, since every
+    other request waits its turn for a connection behind them. Ends early, without the terminal
+    event, once `hub.stopping`.
     """
+    resync_s = idle_s if resync_s is None else resync_s
     if after >= 0 and await _ended_by(client, keys, job_id, after):
         return  # resuming at or after the last event: nothing follows
     async with hub.subscribe(keys.channel(job_id)) as live:
@@ -175,15 +185,19 @@ async def follow_events(
                 last = replayed[-1].seq
                 if replayed[-1].type in TERMINAL_EVENT_TYPES:
                     return
+            quiet_since = time.monotonic()
             while True:
                 try:
                     # Under load the next message is usually there already: skip wait_for's timer.
                     first = live.get_nowait() if not live.empty() else await asyncio.wait_for(live.get(), idle_s)
                 except TimeoutError:
                     yield None
+                    if time.monotonic() - quiet_since < resync_s:
+                        continue
                     if await _ended_by(client, keys, job_id, last):
                         return  # the end was at or before where this follower started
-                    break  # re-read the stream after every idle spell: nothing can stay missed
+                    break  # re-read the stream after every quiet spell: nothing can stay missed
+                quiet_since = time.monotonic()
                 drained = [first, *(live.get_nowait() for _ in range(live.qsize()))]
                 stop = any(data is STOP for data in drained)
                 batch, resync = [], False

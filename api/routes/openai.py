@@ -35,7 +35,16 @@ from ferry.api.openai_schemas import (
 )
 from ferry.api.ratelimit import admit_jobs
 from ferry.api.schemas import error_responses
-from ferry.api.services import Services, cancel_job, check_against_model, refund, resolve_model, services, submit
+from ferry.api.services import (
+    Services,
+    cancel_job,
+    check_against_model,
+    live,
+    refund,
+    resolve_model,
+    services,
+    submit,
+)
 from ferry.api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, resume_comment, sse, sse_json
 from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -333,7 +342,8 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
         raise
     shapes = [shape_for(job_id, i) for i, job_id in enumerate(job_ids)]
     if stream:
-        events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S)
+        events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S,
+                           resync_s=svc.settings.sse_keepalive_s)
         return await _stream(svc, http, job_ids[0], events, shapes[0], include_usage)
     deadline = (jobs[0].ttl_s or 0) + (jobs[0].timeout_s or 0) + 30
     try:
@@ -367,7 +377,8 @@ async def _cancel_all(svc: Services, job_ids: list[str]) -> None:
 async def _collect(svc: Services, http: Request, shape: Shape, job_id: str) -> Event | None:
     """Follow one job into `shape` until its `completed` event (returned); None when the client
     went away; raises the job's error when it ended otherwise."""
-    events = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S)
+    events = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S,
+                           resync_s=svc.settings.sse_keepalive_s)
     try:
         async for batch in events:
             if batch is None:
@@ -515,7 +526,6 @@ async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc,
 async def models(svc: Svc, _: Tenant) -> ModelList:
     """A configured model is listed even while its pool is scaled to zero: its jobs queue and wake
     the pool. `created` is the model's last worker heartbeat (0: no worker of it seen yet)."""
-    since = time.time() - svc.settings.model_liveness_s
-    seen = dict(await svc.redis.zrange(svc.keys.models, 0, -1, withscores=True))
-    names = {name for name, at in seen.items() if at >= since} | svc.configured_models
+    seen = await svc.heartbeats.beats()
+    names = set(live(seen, svc.settings.model_liveness_s)) | svc.configured_models
     return ModelList(data=[ModelCard(id=name, created=int(seen.get(name, 0))) for name in sorted(names)])
