@@ -16,11 +16,14 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import redis.asyncio as aredis
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
 
 from ferry.api.auth import KeyRing
 from ferry.api.errors import ApiError, not_found
@@ -209,6 +212,20 @@ async def check_against_model(svc: Services, request: JobRequest, prefix: str = 
             field = f"{prefix}{name}"
             message = f"{field}: token id {bad} is beyond the vocabulary of {request.model!r} ({limits.vocab_size} ids)"
             raise ApiError(422, "invalid_request", message, field=field)
+
+
+def new_job_request(svc: Services, tenant: str, model: str, fields: dict[str, Any], *, loc: tuple[str, ...] = ("body",),
+                    ttl_s: float | None = None, timeout_s: float | None = None, **job: Any) -> JobRequest:
+    """The one place a request to either API becomes a `JobRequest`: `fields` (prompt or messages,
+    sampling) as the client sent them at `loc` in its body, and `job` (priority, metadata, webhook).
+    Sets what neither client chooses: the tenant, its own prefix-cache namespace (tenants never share
+    cache entries: no timing side channel) and the process's default limits. A validation error is
+    a 422 naming the request's field."""
+    try:
+        return JobRequest(**fields, **job, model=model, tenant=tenant, cache_salt=tenant,
+                          ttl_s=ttl_s or svc.settings.job_ttl_s, timeout_s=timeout_s or svc.settings.job_timeout_s)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]) from exc
 
 
 async def _check_queue(svc: Services, model: str) -> None:

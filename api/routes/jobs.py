@@ -8,9 +8,7 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError
@@ -26,7 +24,16 @@ from ferry.api.schemas import (
     WebhookDelivery,
     error_responses,
 )
-from ferry.api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
+from ferry.api.services import (
+    Services,
+    cancel_job,
+    check_against_model,
+    get_job,
+    new_job_request,
+    resolve_model,
+    services,
+    submit,
+)
 from ferry.api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, resume_comment, sse
 from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
@@ -51,20 +58,9 @@ def job_request(body: JobCreate, model: str, tenant_name: str, svc: Services) ->
     fields = body.input.model_dump(exclude={"model", "max_completion_tokens"}, exclude_unset=True)
     if body.input.max_completion_tokens is not None:
         fields["max_tokens"] = body.input.max_completion_tokens
-    try:
-        return JobRequest(
-            **fields,
-            model=model,
-            tenant=tenant_name,
-            priority=body.priority,
-            ttl_s=body.ttl_s or svc.settings.job_ttl_s,
-            timeout_s=body.timeout_s or svc.settings.job_timeout_s,
-            metadata=body.metadata,
-            webhook=body.webhook,
-            cache_salt=tenant_name,  # tenants never share prefix-cache entries (no timing side channel)
-        )
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", "input", *e["loc"])} for e in exc.errors()]) from exc
+    return new_job_request(svc, tenant_name, model, fields, loc=("body", "input"), ttl_s=body.ttl_s,
+                           timeout_s=body.timeout_s, priority=body.priority, metadata=body.metadata,
+                           webhook=body.webhook)
 
 
 def urls(job_id: str) -> JobUrls:

@@ -16,9 +16,7 @@ from typing import Annotated
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError, error_body
@@ -40,6 +38,7 @@ from ferry.api.services import (
     cancel_job,
     check_against_model,
     live,
+    new_job_request,
     refund,
     resolve_model,
     services,
@@ -89,19 +88,8 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
             hint = "; use structured_outputs" if name.startswith("guided_") else ""
             raise ApiError(422, "unsupported", f"{name} is not supported{hint}", field=name)
     fields["structured_outputs"] = _structured_outputs(body)
-    try:
-        return JobRequest(
-            model=model,
-            tenant=tenant_name,
-            cache_salt=tenant_name,
-            ttl_s=svc.settings.job_ttl_s,
-            timeout_s=svc.settings.job_timeout_s,
-            metadata={"api": "openai", "user": body.user} if body.user else {"api": "openai"},
-            priority=lane(body.priority),
-            **fields,
-        )
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+    metadata = {"api": "openai", "user": body.user} if body.user else {"api": "openai"}
+    return new_job_request(svc, tenant_name, model, fields, priority=lane(body.priority), metadata=metadata)
 
 
 def _structured_outputs(body):

@@ -31,6 +31,7 @@ from ferry.api.settings import ApiSettings
 from ferry.worker.common.addresses import RefusedUrl, is_public
 from ferry.worker.protocol import (
     CompletedEvent,
+    JobRecord,
     Keys,
     StartedEvent,
     Timings,
@@ -350,6 +351,23 @@ def test_an_idle_keep_alive_connection_is_closed(served):
 
 
 # --- tenants ---------------------------------------------------------------------------------------
+
+
+def test_both_apis_make_a_tenants_job_alike(private):
+    """/v1/jobs and the OpenAI routes build their jobs in one place (`new_job_request`): each is the
+    caller's, in its own prefix-cache namespace (no timing side channel between tenants), with the
+    process's default limits."""
+    with app_on(private, models="tiny", api_keys=f"{hash_key('sk-acme')}:acme", job_ttl_s=77,
+                job_timeout_s=88) as api:
+        auth = {"Authorization": "Bearer sk-acme"}
+        job_ids = [api.post("/v1/jobs", json={"input": {"prompt": "x"}}, headers=auth).json()["id"]]
+        with api.stream("POST", "/v1/chat/completions", headers=auth, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+            first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[len("data: "):])
+            job_ids.append(first["id"].removeprefix("chatcmpl-"))
+        for job_id in job_ids:
+            request = JobRecord.from_redis(api.redis.hgetall(api.keys.job(job_id))).request
+            assert (request.tenant, request.cache_salt, request.ttl_s, request.timeout_s) == ("acme", "acme", 77, 88)
 
 
 def test_idempotency_keys_never_collide_across_tenants(private):
