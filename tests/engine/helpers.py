@@ -11,7 +11,9 @@ from ferry.worker.engine.sampling_params import SamplingParams
 _arrivals = itertools.count()
 
 
-def make_request(request_id: str, num_tokens: int, priority: int = 0, first_token: int = 0, **params) -> Request:
+def make_request(
+    request_id: str, num_tokens: int, priority: int = 0, first_token: int = 0, background: bool = False, **params
+) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=list(range(first_token, first_token + num_tokens)),
@@ -19,4 +21,5 @@ def make_request(request_id: str, num_tokens: int, priority: int = 0, first_toke
         priority=priority,
         arrival_seq=next(_arrivals),
         metrics=RequestMetrics(arrival_time=0.0),
+        background=background,
     )

@@ -7,8 +7,23 @@ import shutil
 
 import pytest
 
-from ferry.worker.engine import LLM, Engine, Resume, SamplingParams
+from ferry.worker.engine import (
+    LLM,
+    Engine,
+    EngineInputError,
+    FinishReason,
+    InvalidPromptError,
+    InvalidResumeError,
+    InvalidSamplingParams,
+    InvalidStructuredOutputError,
+    PromptTooLongError,
+    RequestFailedError,
+    Resume,
+    SamplingParams,
+    sampling_params,
+)
 from ferry.worker.engine.detokenizer import IncrementalDetokenizer
+from ferry.worker.engine.structured import params as structured_params
 from ferry.worker.models.config import UnsupportedModelError
 from ferry.worker.models.loader import ModelNotFoundError
 
@@ -37,6 +52,14 @@ def test_text_prompt_streams_deltas_that_add_up(llm):
     assert not any(d.finished for d in deltas[:-1])
     m = deltas[-1].metrics
     assert m.ttft is not None and m.ttft >= 0 and len(m.token_times) == 24
+    assert m.queue_time is not None and 0 <= m.queue_time <= m.ttft  # arrival to first scheduled
+
+
+def test_finish_reasons_are_typed_and_still_compare_and_print_as_strings(llm):
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert out.finish_reason is FinishReason.LENGTH and out.finish_reason == "length"
+    assert f"{out.finish_reason}" == str(out.finish_reason) == "length" and json.dumps(out.finish_reason) == '"length"'
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
 
 
 def test_stop_string_is_cut_exactly_and_never_streamed(llm):
@@ -106,13 +129,42 @@ def test_resumed_request_continues_as_the_uninterrupted_run(llm, params):
     assert llm.engine.kv_usage().num_used_blocks == 0
 
 
-def test_resumed_tokens_are_validated(llm):
+def test_resumed_token_ids_outside_the_vocabulary_are_refused(llm):
     engine = llm.engine
-    with pytest.raises(ValueError, match="max_tokens"):
-        engine.add_request("r1", [1, 2], SamplingParams(max_tokens=3), resume=Resume([4, 5, 6]))
-    with pytest.raises(ValueError, match="resumed token ids"):
-        engine.add_request("r2", [1, 2], SamplingParams(max_tokens=3), resume=Resume([-1]))
+    for bad in ([-1], [engine.arch.vocab_size], [4, "5"]):
+        with pytest.raises(InvalidResumeError, match="resumed token ids"):
+            engine.add_request("r", [1, 2], SamplingParams(max_tokens=3), resume=Resume(bad))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_resume_that_ends_with_a_stop_string_is_refused(llm):
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    [run] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    text = run.text
+    start = next(i for i in range(4, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]
+    stopped = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    with pytest.raises(InvalidResumeError, match="stop string"):
+        llm.engine.add_request("r", [5, 6, 7], stopped, resume=Resume(run.token_ids))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_usage().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("reached", ["max_tokens", "max_model_len"])
+def test_a_resume_already_at_its_end_finishes_with_length_and_no_new_tokens(llama_dir, reached):
+    """The earlier attempt had generated its last token when its worker died: the engine ends
+    the request as the uninterrupted run ended, LENGTH, with the text the client still lacks."""
+    llm = LLM(str(llama_dir), max_model_len=16)
+    max_tokens = 6 if reached == "max_tokens" else None  # None: the rest of the context, 16 - 4
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    [run] = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    assert run.finish_reason == FinishReason.LENGTH and len(run.token_ids) == (6 if max_tokens else 12)
+    engine = llm.engine
+    engine.add_request("again", [5, 6, 7, 8], params, resume=Resume(run.token_ids, num_text_chars=2))
+    [out] = engine.step()
+    assert out.finished and out.finish_reason is FinishReason.LENGTH and out.stop_reason is None
+    assert out.new_token_ids == [] and out.num_output_tokens == len(run.token_ids)
+    assert out.new_text == run.text[2:] and out.error is None
+    assert not engine.has_unfinished_requests() and engine.kv_usage().num_used_blocks == 0
 
 
 def test_logprobs_per_generated_token(llm):
@@ -134,7 +186,7 @@ def test_abort_reports_and_frees(llm):
     engine.step()
     assert engine.abort("ab1") and not engine.abort("nope")
     outs = {o.request_id: o for o in engine.step()}
-    assert outs["ab1"].finished and outs["ab1"].finish_reason == "abort"
+    assert outs["ab1"].finished and outs["ab1"].finish_reason is FinishReason.ABORT
     engine.abort("ab2")  # aborted while waiting or running, either way nothing leaks
     while engine.has_unfinished_requests():
         engine.step()
@@ -181,19 +233,46 @@ def test_bad_sampling_params_raise_value_error(kwargs, message):
 
 def test_bad_prompts_raise_and_leave_nothing_queued(llm):
     engine = llm.engine
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidPromptError, match="empty"):
         engine.add_request("e1", [], SamplingParams())
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidPromptError, match="empty"):
         llm.generate([""], SamplingParams(), use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
         engine.add_request("e2", [1] * engine.max_model_len, SamplingParams())
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(InvalidPromptError, match="token ids"):
         engine.add_request("e3", [1, 10**9], SamplingParams())
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidPromptError, match="empty"):
         llm.generate([[1, 2], []], SamplingParams(), use_tqdm=False)
     assert not engine.has_unfinished_requests() and engine.kv_usage().num_used_blocks == 0
+
+
+def test_every_refusal_is_an_engine_input_error_and_a_value_error():
+    """One base class for what add_request refuses: the worker maps each subclass to a wire
+    code, and callers that catch ValueError keep working."""
+    kinds = (InvalidPromptError, PromptTooLongError, InvalidSamplingParams, InvalidStructuredOutputError,
+             InvalidResumeError)
+    assert all(issubclass(kind, EngineInputError) and issubclass(kind, ValueError) for kind in kinds)
+    assert issubclass(PromptTooLongError, InvalidPromptError)
+    assert (sampling_params.InvalidSamplingParams, structured_params.InvalidStructuredOutputError) == (
+        InvalidSamplingParams, InvalidStructuredOutputError
+    )  # the old import paths name the same classes
+
+
+def test_a_model_without_a_tokenizer_refuses_text_and_chats(tmp_path, llama_dir):
+    model = tmp_path / "ids-only"
+    shutil.copytree(llama_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink(missing_ok=True)
+    engine = Engine(str(model), max_model_len=32)
+    with pytest.raises(InvalidPromptError, match="no tokenizer"):
+        engine.add_request("t", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidPromptError, match="chat template"):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    engine.add_request("ids", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    [out] = [o for _ in range(4) for o in engine.step() if o.finished]
+    assert out.new_text == "" and out.finish_reason is FinishReason.LENGTH
 
 
 def test_unknown_model_and_unsupported_architecture(tmp_path, tiny_model_factory):
@@ -240,7 +319,8 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch, llama_dir):
 
 def test_a_request_whose_own_processing_raises_fails_alone(llm):
     """One request's data breaks while it runs (here an out-of-range stop id slipped past
-    validation): that request ends with finish_reason "error", the others get their own tokens."""
+    validation): that request ends with ERROR and the exception in `error` (stop_reason stays
+    for stop strings and stop token ids), the others get their own tokens."""
     engine = llm.engine
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
@@ -251,14 +331,15 @@ def test_a_request_whose_own_processing_raises_fails_alone(llm):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outs[out.request_id].append(out)
-    assert outs["bad"][-1].finish_reason == "error" and "IndexError" in outs["bad"][-1].stop_reason
+    failed = outs["bad"][-1]
+    assert failed.finished and failed.finish_reason is FinishReason.ERROR and failed.stop_reason is None
+    assert isinstance(failed.error, RequestFailedError) and "IndexError" in str(failed.error)
+    assert outs["good"][-1].error is None
     assert [t for o in outs["good"] for t in o.new_token_ids] == alone
     assert engine.kv_usage().num_used_blocks == 0
 
 
 def test_stop_token_ids_beyond_the_vocabulary_are_refused(llm):
-    from ferry.worker.engine import InvalidSamplingParams
-
     with pytest.raises(InvalidSamplingParams, match="stop_token_ids"):
         llm.engine.add_request("x", [1, 2], SamplingParams(stop_token_ids=[llm.engine.arch.vocab_size]))
     assert not llm.engine.has_unfinished_requests()
@@ -306,6 +387,32 @@ def test_logit_bias_must_be_this_models_and_in_range(llm):
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
                                                      logit_bias={9: 100.0}), use_tqdm=False)
     assert out.token_ids == [9] * 5
+
+
+def test_background_requests_step_aside_while_a_foreground_prompt_prefills(llama_dir, llm):
+    """The step that prefills a live prompt computes nothing for the background decodes (they
+    keep their blocks), so the live prompt's first token pays for its own prefill alone; the
+    next step decodes them all, and every request keeps its greedy tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {"batch0": [3, 4, 5], "batch1": [6, 7, 8, 9], "live": list(range(20, 40))}
+    alone = {rid: llm.generate([p], params, use_tqdm=False)[0].token_ids for rid, p in prompts.items()}
+    engine = Engine(llama_dir)
+    for rid in ("batch0", "batch1"):
+        engine.add_request(rid, prompts[rid], params, priority=2, background=True)
+    tokens: dict[str, list[int]] = {}
+    steps = []
+    for step in range(20):
+        if step == 2:
+            engine.add_request("live", prompts["live"], params, priority=2)  # the flag decides, not the priority
+            assert engine.next_step_is_full()  # what arrives now could not join the live prompt's step
+        outs = engine.step()
+        steps.append(sorted(o.request_id for o in outs if o.new_token_ids))
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    assert steps[:4] == [["batch0", "batch1"], ["batch0", "batch1"], ["live"], ["batch0", "batch1", "live"]]
+    assert tokens == alone and engine.stats().num_preemptions == 0
 
 
 def test_a_live_request_preempts_a_batch_one_and_both_keep_their_greedy_tokens(llama_dir):

@@ -199,9 +199,9 @@ def test_a_lower_priority_request_never_preempts():
 
 
 def test_background_decodes_sit_out_a_step_that_prefills_a_foreground_prompt():
-    sched = Scheduler(KVCacheManager(32, 4, False), 8, 32, background_priority=2)
+    sched = _scheduler(num_blocks=32, budget=32)
     for rid in ("b0", "b1"):
-        sched.add(make_request(rid, 3, priority=2))
+        sched.add(make_request(rid, 3, priority=2, background=True))
     _advance(sched, sched.schedule())
     assert _plan(sched.schedule()) == [("b0", 1), ("b1", 1)]  # decoding, nothing else here
     sched.add(make_request("live", 6, priority=1))
@@ -213,8 +213,8 @@ def test_background_decodes_sit_out_a_step_that_prefills_a_foreground_prompt():
 
 
 def test_background_sits_out_every_chunk_of_a_long_foreground_prompt_and_no_step_of_a_decode():
-    sched = Scheduler(KVCacheManager(32, 4, False), 8, 8, background_priority=2)
-    sched.add(make_request("batch", 2, priority=2))
+    sched = _scheduler(num_blocks=32, budget=8)
+    sched.add(make_request("batch", 2, priority=2, background=True))
     sched.add(make_request("live", 2, priority=0))
     out = sched.schedule()
     assert _plan(out) == [("live", 2)]  # a waiting foreground request holds the batch back at admission too
@@ -230,11 +230,20 @@ def test_background_sits_out_every_chunk_of_a_long_foreground_prompt_and_no_step
     assert _plan(sched.schedule()) == [("live", 1), ("batch", 1), ("long", 1)]
 
 
+def test_the_background_flag_not_the_priority_decides_who_steps_aside():
+    """A background request ahead in priority still waits for a foreground prompt's prefill,
+    and a foreground one behind it in the queue is admitted past it."""
+    sched = _scheduler(num_blocks=32, budget=32)
+    sched.add(make_request("batch", 3, priority=0, background=True))
+    sched.add(make_request("live", 4, priority=5))
+    assert _plan(sched.schedule()) == [("live", 4)]
+
+
 def test_a_step_the_background_stands_aside_for_does_not_wait_for_arrivals():
     """The worker waits for announced jobs only while the next step could take them: background
     arrivals (a batch's next lines) cannot join a step that prefills a foreground prompt."""
-    sched = Scheduler(KVCacheManager(32, 4, False), 8, 32, background_priority=2)
-    sched.add(make_request("b0", 3, priority=2))
+    sched = _scheduler(num_blocks=32, budget=32)
+    sched.add(make_request("b0", 3, priority=2, background=True))
     _advance(sched, sched.schedule())
     assert not sched.next_step_is_full()  # one decode: arrivals could still join it
     sched.add(make_request("live", 4, priority=1))
@@ -243,9 +252,10 @@ def test_a_step_the_background_stands_aside_for_does_not_wait_for_arrivals():
     assert not sched.next_step_is_full()  # prefilled: every request decodes, room for more
 
 
-def test_without_a_background_priority_every_running_request_decodes():
+def test_without_background_requests_a_prefill_steps_with_every_decode():
     sched = _scheduler()
     sched.add(make_request("batch", 3, priority=2))
     _advance(sched, sched.schedule())
     sched.add(make_request("live", 4, priority=0))
+    assert not sched.next_step_is_full()  # no one steps aside: arrivals may still join the step
     assert _plan(sched.schedule()) == [("batch", 1), ("live", 4)]

@@ -5,6 +5,7 @@ field's default, bounds, type strictness and finiteness."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from ferry.api.openai_schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from ferry.worker.engine import SamplingParams
 from ferry.worker.protocol import JobRequest
-from ferry.worker.protocol.sampling import SAMPLING_LIMITS, Limit
+from ferry.worker.protocol.sampling import SAMPLING_LIMITS, Limit, combination_problem
 
 # schema -> (how it names the table's fields, the fields of its own that are not sampling fields)
 RENAMED = {
@@ -178,3 +179,21 @@ def test_defaults_come_from_the_table(limit):
 def test_no_schema_has_a_sampling_field_the_table_lacks(schema):
     names = {RENAMED[schema].get(limit.name, limit.name) for limit in SAMPLING_LIMITS}
     assert set(PYDANTIC[schema].model_fields) - NOT_SAMPLING[schema] == names
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must be <= max_tokens (4)"),
+        ({"min_tokens": 1, "structured_outputs": {"choice": ["a"]}}, "min_tokens cannot be combined with structured"),
+    ],
+    ids=["min-above-max", "min-with-grammar"],
+)
+def test_the_rules_across_fields_are_stated_once_and_both_schemas_refuse_them(fields, problem):
+    stated = combination_problem(fields["min_tokens"], fields.get("max_tokens"), "structured_outputs" in fields)
+    assert stated is not None and stated.startswith(problem)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        SamplingParams(**fields)
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate({**BASE["job"], **fields})
+    assert combination_problem(4, 4, False) is None and combination_problem(9, None, False) is None

@@ -2,12 +2,21 @@
 
 from ferry.worker.engine.config import EngineConfig
 from ferry.worker.engine.engine import Engine, EngineStats
+from ferry.worker.engine.errors import (
+    EngineInputError,
+    InvalidPromptError,
+    InvalidResumeError,
+    InvalidSamplingParams,
+    InvalidStructuredOutputError,
+    PromptTooLongError,
+    RequestFailedError,
+)
 from ferry.worker.engine.llm import LLM
-from ferry.worker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ferry.worker.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from ferry.worker.engine.parallel.group import RankFailedError
 from ferry.worker.engine.resume import Resume
-from ferry.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from ferry.worker.engine.structured import InvalidStructuredOutputError, StructuredOutputs
+from ferry.worker.engine.sampling_params import SamplingParams
+from ferry.worker.engine.structured import StructuredOutputs
 from ferry.worker.models.sharding import TensorParallelError
 
 __all__ = [
@@ -15,11 +24,17 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "EngineInputError",
     "EngineStats",
+    "FinishReason",
+    "InvalidPromptError",
+    "InvalidResumeError",
     "InvalidSamplingParams",
     "InvalidStructuredOutputError",
     "Logprob",
+    "PromptTooLongError",
     "RankFailedError",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "Resume",

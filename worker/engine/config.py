@@ -21,9 +21,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # no proposals while this many requests run (compute-bound steps)
     min_acceptance_rate: float = 0.2  # a request whose recent acceptance falls below this pauses proposing
     pause_steps: int = 16  # steps a request goes without proposals after poor acceptance
-    measure_speedup: bool = (
-        True  # propose only while measured decode steps run faster with proposals (spec_governor.py)
-    )
+    measure_speedup: bool = True  # propose only while measured decode steps run faster with them (spec/governor.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -97,9 +95,6 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A collective between the ranks that waits longer than this fails the step: a hung rank
     tensor_parallel_timeout_s: float = 120.0
-    # Requests at this priority or beyond (the worker's `low` lane, batches) compute nothing in a
-    # step that prefills a higher-priority prompt, so live TTFT does not pay for their decodes
-    background_priority: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

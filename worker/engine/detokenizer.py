@@ -64,13 +64,17 @@ class IncrementalDetokenizer:
         self.text = self.text[: best[0]]
         return best[1]
 
-    def replay(self, token_ids: list[int], min_tokens: int, num_text_chars: int | None) -> str | None:
+    def replay(
+        self, token_ids: list[int], min_tokens: int, num_text_chars: int | None, final: bool = False
+    ) -> str | None:
         """Feed tokens an earlier run generated, token by token as the engine fed them (stop
         strings checked once `min_tokens` exist), and mark `num_text_chars` of the text as
-        already handed out (None: all of it that was final). Returns a stop string that matched."""
+        already handed out (None: all of it that was final). `final`: the request ends with the
+        last of them. Returns a stop string that matched."""
         matched = None
         for i, token in enumerate(token_ids):
-            matched = self.add_tokens([token], final=False, check_stop=i + 1 >= min_tokens) or matched
+            last = final and i == len(token_ids) - 1
+            matched = self.add_tokens([token], final=last, check_stop=i + 1 >= min_tokens) or matched
         emitted = len(self.text) if num_text_chars is None else min(num_text_chars, len(self.text))
         self.num_emitted_chars = emitted
         return matched

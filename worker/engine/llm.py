@@ -106,6 +106,7 @@ class LLM:
                     num_cached_tokens=last.num_cached_tokens,
                     logprobs=[lp for lst in logprob_lists for lp in lst] if logprob_lists else None,
                     metrics=last.metrics,
+                    error=last.error,
                 )
             )
         return results

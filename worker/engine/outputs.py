@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a request ended. A StrEnum: `out.finish_reason == "stop"` holds, and it prints as its value."""
+
+    STOP = "stop"  # EOS, a stop token id, a stop string, or the end of its grammar
+    LENGTH = "length"  # max_tokens generated, or the context (max_model_len) full
+    ABORT = "abort"  # `Engine.abort`
+    ERROR = "error"  # its own processing failed: the exception is in `RequestOutput.error`
 
 
 @dataclass(slots=True)
@@ -19,7 +29,7 @@ PositionLogprobs = dict[int, Logprob]
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float  # time.monotonic() when the request was added
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # when the scheduler first gave it tokens to compute
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
@@ -37,6 +47,7 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
+        """Seconds from arrival to first being scheduled."""
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
@@ -49,13 +60,15 @@ class RequestOutput:
     new_text: str  # text released in this step (stop strings held back until they cannot match)
     new_logprobs: list[PositionLogprobs] | None  # one entry per new token when logprobs were asked for
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (its own processing raised) once finished
-    stop_reason: str | int | None  # the stop string or stop token id that ended it
+    finish_reason: FinishReason | None  # why it ended, once finished
+    stop_reason: str | int | None  # the stop string (str) or stop token id (int) that ended it, if one did
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
     num_output_tokens: int  # generated so far, this step included
     metrics: RequestMetrics
-    error: Exception | None = None  # what failed it, when finish_reason is "error" and the error is typed
+    # What ended it, exactly when finish_reason is ERROR: a RequestFailedError (its processing raised
+    # in a step) or an InvalidStructuredOutputError (its grammar did not compile); see worker.engine.errors
+    error: Exception | None = None
 
 
 @dataclass(slots=True)
@@ -67,9 +80,10 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[PositionLogprobs] | None
     metrics: RequestMetrics
+    error: Exception | None = None  # what ended it, when finish_reason is ERROR (as in RequestOutput)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferry.worker.engine.outputs import PositionLogprobs, RequestMetrics
+from ferry.worker.engine.outputs import FinishReason, PositionLogprobs, RequestMetrics
 from ferry.worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class Request:
     prompt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     cache_extra: bytes = b""  # prefix-cache namespace bytes (model salt + cache_salt)
+    background: bool = False  # background work (a batch's line): steps aside while foreground prompts prefill
 
     all_token_ids: list[int] = field(init=False)  # prompt + output, the tokens KV is computed for
     output_token_ids: list[int] = field(default_factory=list)
@@ -65,8 +66,9 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, lazily extended
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: Exception | None = None  # what ended it, when finish_reason is ERROR
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding (unused when it is off)
@@ -103,6 +105,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def length_reached(self, max_model_len: int) -> bool:
+        """It may generate no more: max_tokens are out, or its context is full."""
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
 
     def append_output(self, token_id: int, logprobs: PositionLogprobs | None) -> None:
         self.output_token_ids.append(token_id)

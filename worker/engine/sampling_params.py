@@ -4,7 +4,8 @@ Defaults and allowed values come from the one table of sampling fields
 (`worker.protocol.sampling`), which the API's request schemas read too. A few fields may stay
 unset (None) until the engine admits the request: `max_tokens` (then the rest of the context
 window) and the fields of `MODEL_DEFAULTS` (then the model's generation_config.json);
-`Engine.add_request` resolves them with `resolved`, so the sampler only ever sees values.
+`Engine.add_request` resolves them with `resolved` (in its input processor), so the sampler
+only ever sees values.
 """
 
 from __future__ import annotations

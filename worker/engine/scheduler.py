@@ -11,11 +11,11 @@ pool) taken sends the lowest-priority running request of a lower priority back t
 live request never waits behind a batch's. The victim's full blocks stay in the prefix cache, so
 taking it back up recomputes little more than its last partial block.
 
-Background work steps aside for foreground prompts: with `background_priority` set, a step that
-prefills a request of higher priority (a live prompt arriving while a batch decodes) leaves out the
-running requests at that priority or below, and admits none of them. Those running keep their
-blocks and simply compute nothing for one step, so the live prompt's first token costs its own
-prefill, not a step of 64 batch decodes.
+Background work steps aside for foreground prompts: a step that prefills a request not marked
+`background` (a live prompt arriving while a batch decodes) leaves out the running background
+requests and admits none of the waiting ones. Those running keep their blocks and simply compute
+nothing for one step, so the live prompt's first token costs its own prefill, not a step of 64
+batch decodes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.outputs import FinishReason
 from ferry.worker.engine.request import Request, RequestStatus
 
 
@@ -52,14 +53,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
-        background_priority: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks  # kept free when admitting, so decodes rarely preempt
-        # Requests at this priority or beyond sit out steps that prefill a higher-priority one (None: never).
-        self.background_priority = background_priority
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -73,8 +71,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
-    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        """End a request (stop, length or abort) and release its blocks. Idempotent."""
+    def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """End a request and release its blocks. Idempotent."""
         if request.is_finished:
             return
         if request.status is RequestStatus.RUNNING:
@@ -122,7 +120,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if stands_aside and request.priority >= self.background_priority:
+            if stands_aside and request.background:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -157,9 +155,7 @@ class Scheduler:
         index = 0
         while not pool_was_short and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
-            if stands_aside and request.priority >= self.background_priority:
-                break  # sorted by priority: the rest are background prompts too, admitted next step
-            if request.awaiting_grammar:
+            if request.awaiting_grammar or (stands_aside and request.background):  # admitted in a later step
                 index += 1
                 continue
             prefix = self.kv.lookup_prefix(request)
@@ -180,15 +176,14 @@ class Scheduler:
         return out
 
     def _background_stands_aside(self) -> bool:
-        """Whether this step leaves the background requests out: some foreground request has
-        more than its next token to compute (a prompt, a resumed job's streamed tokens, a
-        recompute after preemption), running or waiting to be admitted."""
-        if self.background_priority is None:
+        """Whether this step leaves the background requests out: there are some, and some
+        foreground request has more than its next token to compute (a prompt, a resumed job's
+        streamed tokens, a recompute after preemption), running or waiting to be admitted."""
+        if not any(r.background for r in self.requests.values()):
             return False
-        for request in self.running:
-            if request.priority < self.background_priority and request.num_tokens - request.num_computed_tokens > 1:
-                return True
-        return any(r.priority < self.background_priority and not r.awaiting_grammar for r in self.waiting)
+        if any(not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+            return True
+        return any(not r.background and not r.awaiting_grammar for r in self.waiting)
 
     def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> int:
         """Preempt lower-priority running requests, lowest and latest first, until the

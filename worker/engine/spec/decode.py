@@ -3,10 +3,10 @@
 A step with speculation: `SpecDecoder.propose` gives each decoding request up to k proposed
 tokens (`request.spec.token_ids`); the scheduler schedules them as extra query tokens after the
 request's last known token (counted in the token budget, slots allocated but never cached); the
-model runner computes the target's logits at all k+1 rows and calls `verify`; the engine appends
-the accepted tokens one by one (stop conditions apply to each) and rolls `num_computed_tokens`
-back over the rejected ones, whose KV is simply overwritten later (`KVCacheManager.trim` returns
-blocks that held only rejected positions).
+model runner computes the target's logits at all k+1 rows and calls `verify`; the engine core
+rolls `num_computed_tokens` back over the rejected ones, whose KV is simply overwritten later
+(`KVCacheManager.trim` returns blocks that held only rejected positions), and the output
+processor appends the accepted tokens one by one (stop conditions apply to each).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class SpecDecoder:
                 request.spec.keep(request.grammar.valid_prefix(request.spec.token_ids))
 
     def observe(self, requests: list[Request], sampled: dict[str, list[int]]) -> None:
-        """Time this step for the governor, if it only decoded (called before the engine applies it)."""
+        """Time this step for the governor, if it only decoded (called before the core rolls it back)."""
         if self.governor is None or self._quiet_taken:
             return
         speculated = any(r.spec.token_ids for r in requests)

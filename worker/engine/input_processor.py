@@ -1,0 +1,149 @@
+"""The input processor: what a caller gives `Engine.add_request`, checked and turned into a
+`Request` the core can schedule, with the detokenizer its output will go through.
+
+Every check that refuses a request runs here, before any part of the engine holds it, so a
+refused request leaves nothing behind. Each raises its kind of `EngineInputError`
+(worker.engine.errors): a bad prompt, a prompt too long, sampling values this model cannot take,
+structured outputs without a tokenizer, a resume the engine cannot continue from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from jinja2 import TemplateError
+
+from ferry.worker.engine.detokenizer import IncrementalDetokenizer
+from ferry.worker.engine.errors import (
+    InvalidPromptError,
+    InvalidResumeError,
+    InvalidSamplingParams,
+    InvalidStructuredOutputError,
+    PromptTooLongError,
+)
+from ferry.worker.engine.kv_cache import cache_extra
+from ferry.worker.engine.loading import LoadedModel
+from ferry.worker.engine.outputs import RequestMetrics
+from ferry.worker.engine.request import Request
+from ferry.worker.engine.resume import Resume
+from ferry.worker.engine.sampler import advance_generator
+from ferry.worker.engine.sampling_params import SamplingParams
+from ferry.worker.engine.structured import GrammarState, StructuredOutputManager
+
+
+class InputProcessor:
+    def __init__(self, model: LoadedModel, structured_outputs_cache_size: int) -> None:
+        self.tokenizer = model.tokenizer  # None: prompts must be token ids
+        self.vocab_size = model.arch.vocab_size  # every token id must be below it
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = model.eos_token_ids
+        self.sampling_defaults = model.sampling_defaults  # what unset sampling fields take (generation_config.json)
+        self.model_salt = model.model_salt
+        # Compiles grammars (None without a tokenizer: a grammar is over the tokens' text).
+        self.structured = None if model.tokenizer is None else StructuredOutputManager(
+            model.tokenizer, self.vocab_size, model.eos_token_ids, structured_outputs_cache_size
+        )
+        self._arrivals = itertools.count()  # admission order: ties on priority go to the earlier request
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidPromptError("this model directory has no tokenizer: give prompts as token-id lists")
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of a chat, rendered with the model's own chat template (given `tools`, the
+        functions the model may call, in OpenAI's shape). InvalidPromptError without a template,
+        or for a chat the template refuses."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidPromptError("this model has no chat template; send a plain prompt instead")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except TemplateError as exc:  # the template's own raise_exception: roles out of order, say
+            raise InvalidPromptError(f"the model's chat template refused the messages: {exc}") from exc
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the token ids must be this model's."""
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidSamplingParams(
+                    f"invalid {name}: token id {bad} is beyond the vocabulary ({self.vocab_size} ids)"
+                )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        priority: int,
+        arrival_time: float | None,
+        resume: Resume | None,
+        background: bool,
+    ) -> tuple[Request, IncrementalDetokenizer | None]:
+        """The request (its params resolved against the model's defaults, a resume's tokens
+        already its output) and its detokenizer (None without a tokenizer)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids)
+        params = params.resolved(self.sampling_defaults, self.max_model_len - len(token_ids))
+        self.check_params(params)
+        resumed = list(resume.token_ids) if resume is not None else []
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in resumed):
+            raise InvalidResumeError(f"resumed token ids must be integers in [0, {self.vocab_size})")
+        if params.structured_outputs is not None and self.structured is None:
+            raise InvalidStructuredOutputError("structured_outputs need a model with a tokenizer")
+        request = Request(
+            request_id=str(request_id),
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=int(priority),
+            arrival_seq=next(self._arrivals),
+            metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time),
+            prompt=prompt if isinstance(prompt, str) else None,
+            eos_token_ids=self.eos_token_ids,
+            cache_extra=cache_extra(self.model_salt, params.cache_salt),
+            background=bool(background),
+        )
+        if resumed:
+            request.output_token_ids = resumed
+            request.all_token_ids += resumed
+            if request.generator is not None:
+                advance_generator(request.generator, len(resumed), self.vocab_size)
+        # A resume whose tokens reach its end: the core finishes it at once, and its text is final.
+        ended = request.length_reached(self.max_model_len)
+        detokenizer = self._detokenizer(request, resume, ended)
+        if params.structured_outputs is not None and not ended:  # its matcher advances over the resumed tokens
+            request.grammar = GrammarState(self.structured.compile(params.structured_outputs))
+        return request, detokenizer
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidPromptError("prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidPromptError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"at most {self.max_model_len - 1} prompt tokens leave room to generate"
+            )
+
+    def _detokenizer(self, request: Request, resume: Resume | None, ended: bool) -> IncrementalDetokenizer | None:
+        """The request's detokenizer, having replayed a resume's tokens (see worker.engine.resume)."""
+        if self.tokenizer is None:
+            return None
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop_strings)
+        if request.output_token_ids:
+            matched = detokenizer.replay(
+                request.output_token_ids, request.params.min_tokens, resume.num_text_chars, final=ended
+            )
+            if matched is not None:
+                raise InvalidResumeError(f"the resumed tokens already end the request with the stop string {matched!r}")
+        return detokenizer
