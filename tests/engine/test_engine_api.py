@@ -201,6 +201,13 @@ def test_chat_template_is_applied(llm):
     assert out.prompt_token_ids == ids and len(out.token_ids) == 3
 
 
+def test_a_chat_its_template_refuses_is_an_invalid_prompt(llama_dir):
+    engine = Engine(str(llama_dir), max_model_len=32)
+    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with pytest.raises(InvalidPromptError, match="roles must alternate"):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_detokenizer_never_breaks_a_utf8_character(llm):
     text = "price: 5€ ñ ✓ done"
     ids = llm.tokenizer.encode(text)
