@@ -9,6 +9,7 @@ unknown routes and wrong methods all map to 4xx here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -187,17 +188,19 @@ def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI: answer 413 before the app sees a body over `max_bytes`, and 422 for a JSON body
-    with a value no route can store (`json_value_problem`: a lone surrogate in a string or a key,
-    a non-finite number), wherever in the body it is.
+    """Pure ASGI: answer 413 before the app sees a body over `max_bytes`, 408 for one not all in
+    within `timeout_s` (a client sending it a byte at a time held its request for ever), and 422
+    for a JSON body with a value no route can store (`json_value_problem`: a lone surrogate in a
+    string or a key, a non-finite number), wherever in the body it is.
 
     Bodies are read up front (they are small JSON documents) and replayed to the app, so a
     chunked upload without Content-Length is limited as well as one that declares its size.
     """
 
-    def __init__(self, app, max_bytes: int, streamed: frozenset[tuple[str, str]] = frozenset()):
+    def __init__(self, app, max_bytes: int, timeout_s: float, streamed: frozenset[tuple[str, str]] = frozenset()):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
         self.streamed = streamed  # (method, path) whose handler reads the body as a stream and limits it
 
     async def __call__(self, scope, receive, send):
@@ -208,15 +211,21 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(scope, receive, send)
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                return await self._too_large(scope, receive, send)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    if len(body) > self.max_bytes:
+                        return await self._too_large(scope, receive, send)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            response = error_response(408, "body_timeout", f"request body not all in within {self.timeout_s:g} s",
+                                      headers={"Connection": "close"})
+            return await response(scope, receive, send)
         refused = _json_body_problem(bytes(body)) if body and _is_json(scope["headers"]) else None
         if refused is not None:
             return await refused(scope, receive, send)

@@ -110,7 +110,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.keyring = keyring
     install_error_handlers(app)
     uploads = frozenset({("POST", "/v1/files")})  # limited by max_file_bytes as they stream in
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, streamed=uploads)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       timeout_s=settings.http_body_timeout_s, streamed=uploads)
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(jobs.router)

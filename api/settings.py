@@ -25,6 +25,7 @@ class ApiSettings(FerrySettings):
     shutdown_grace_s: float = 10.0
     http_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
     http_head_timeout_s: float = 10.0  # a request's line and headers must all arrive within this (slowloris)
+    http_body_timeout_s: float = 30.0  # and a JSON body within this (408); file uploads are not limited so
     usage_metrics_tenants: int = 20  # tenants (first by name) with their own `tenant` label on /metrics; rest: other
     # --- Batch API ---
     files_url: str = "ferry-files"  # where files live: file:///dir, a local path, or s3://bucket/prefix

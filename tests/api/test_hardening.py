@@ -83,7 +83,7 @@ def served(tmp_path_factory):
     """One `ferry api` process on the shared Redis for the tests that only send it requests."""
     prefix = new_prefix()
     proc, base = start_api(REDIS_URL, prefix, tmp_path_factory.mktemp("api"), FERRY_HTTP_HEAD_TIMEOUT_S="1",
-                           FERRY_HTTP_KEEP_ALIVE_S="1")
+                           FERRY_HTTP_KEEP_ALIVE_S="1", FERRY_HTTP_BODY_TIMEOUT_S="1")
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     try:
         yield Served(base, proc, Keys(prefix), client)
@@ -334,6 +334,20 @@ def test_a_connection_sending_its_headers_a_byte_at_a_time_is_closed(served):
         sock.sendall(_HEAD)
         assert _answered(sock)
         assert _send_slowly(sock, _HEAD)
+
+
+def test_a_body_that_never_ends_is_a_408(served):
+    """The same with a body: a request whose body came a byte at a time, or stopped coming, held a
+    task and a connection for ever. With FERRY_HTTP_BODY_TIMEOUT_S=1 it is answered 408 and the
+    connection closed (a socket timeout, 30 s, fails the test)."""
+    port = int(served.base.rsplit(":", 1)[1])
+    head = b"POST /v1/jobs HTTP/1.1\r\nHost: ferry\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + b'{"input": ')  # and no more: 90 bytes never come
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in answer, answer
 
 
 def test_a_connection_that_sends_nothing_is_closed(served):
