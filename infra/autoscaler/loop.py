@@ -20,7 +20,9 @@ log = logging.getLogger("ferry.autoscale")
 RECORD_FIELDS = ["t", "model", "lag", "pending", "live_workers", "desired", "recommended", "reason"]
 
 
-class Publisher(Protocol):
+class DecisionReporter(Protocol):
+    """Where each tick's observation and decision are reported (CloudWatch, Prometheus gauges)."""
+
     def publish(self, model: str, obs: Observation, decision: Decision) -> None: ...
 
 
@@ -33,7 +35,7 @@ class AutoscaleLoop:
     source: RedisBacklog
     policy: ScalePolicy
     models: list[str]
-    publishers: list[Publisher] = field(default_factory=list)
+    publishers: list[DecisionReporter] = field(default_factory=list)
     actuators: list[Actuator] = field(default_factory=list)
     record_to: TextIO | None = None  # CSV sink for --record
     scalers: dict[str, Autoscaler] = field(default_factory=dict)

@@ -66,10 +66,9 @@ def test_scripts_publish_on_shard_channels_only_on_a_cluster(cclient):
 
 
 def test_a_worker_reads_high_before_normal_before_low_across_shards(cclient, ckeys):
-    from ferry.worker.serve.intake import Consumer
-    from ferry.worker.serve.settings import WorkerSettings
+    from ferry.worker.serve.queue_reader import QueueReader
 
-    consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
+    consumer = QueueReader(cclient, ckeys, "tiny", "w-1", lease_s=30.0)
     consumer.ensure_groups()
     for shard, priority in ((0, "low"), (1, "normal"), (2, "high"), (0, "high"), (2, "low")):
         cclient.xadd(ckeys.queue("tiny", priority, shard), {"job_id": f"j-{priority}-s{shard}", "attempt": "1"})
@@ -96,10 +95,9 @@ def test_an_idle_worker_blocks_on_every_shard_at_once_and_keeps_room_for_its_rea
     nothing here: the job lands in a shard the first turn does not block on."""
     import threading
 
-    from ferry.worker.serve.intake import Consumer
-    from ferry.worker.serve.settings import WorkerSettings
+    from ferry.worker.serve.queue_reader import QueueReader
 
-    consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
+    consumer = QueueReader(cclient, ckeys, "tiny", "w-1", lease_s=30.0)
     consumer.ensure_groups()
     got: list = []
     reader = threading.Thread(target=lambda: got.append(consumer.read(room=8, block_ms=8000)))
@@ -136,15 +134,18 @@ def test_a_terminal_write_short_of_replicas_is_logged_without_holding_the_publis
     """Each primary has one replica: a check for two times out (3 s) and is logged, while the
     publisher goes on at once (its WAIT runs on a thread of its own)."""
     from ferry.worker.protocol import CompletedEvent, Timings, Usage
-    from ferry.worker.serve.intake import Consumer
+    from ferry.worker.serve.job_starts import JobStarter
     from ferry.worker.serve.publisher import Publisher
+    from ferry.worker.serve.queue_reader import QueueReader
+    from ferry.worker.serve.render import PromptRenderer
     from ferry.worker.serve.settings import WorkerSettings
     from ferry.worker.serve.writes import finish
 
-    consumer = Consumer(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1")
-    consumer.ensure_groups()
-    enqueue_job(cclient, ckeys, greedy(model="tiny", prompt="hi", max_tokens=2))
-    [job], writes = consumer.prepare(consumer.read(room=4, block_ms=0))
+    reader = QueueReader(cclient, ckeys, "tiny", "w-1", lease_s=30.0)
+    reader.ensure_groups()
+    starter = JobStarter(cclient, ckeys, WorkerSettings(model_name="tiny"), "w-1", PromptRenderer(None, "hermes"))
+    enqueue_job(cclient, ckeys, greedy(model="tiny", prompt=[1, 2, 3], max_tokens=2))
+    [job], writes = starter.prepare(reader.read(room=4, block_ms=0))
     assert writes == []
     publisher = Publisher(cclient, ckeys, "tiny", "w-1", result_ttl_s=60, min_replicas=2, replica_timeout_ms=3000)
     done = CompletedEvent(seq=1, finish_reason="length", usage=Usage(completion_tokens=2), timings=Timings())

@@ -12,9 +12,12 @@ import pytest
 
 from ferry.worker.engine import LLM, Engine, SamplingParams
 from ferry.worker.protocol import ErrorCode, JobRequest
-from ferry.worker.serve.engine_loop import BackgroundPacing, EngineLoop
-from ferry.worker.serve.intake import JobStart, Streamed
+from ferry.worker.serve.engine_loop import EngineLoop
+from ferry.worker.serve.job_output import BACKGROUND_FLUSH_TOKENS
+from ferry.worker.serve.job_starts import JobStart, Streamed
 from ferry.worker.serve.metrics import WorkerMetrics
+from ferry.worker.serve.pacing import BackgroundPacing
+from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.writes import Delivery, Finish, HandBack, Progress
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Pack my box"
@@ -23,6 +26,16 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Pack my box"
 @pytest.fixture(scope="module")
 def engine(llama_dir):
     return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256)
+
+
+_renderer: list[PromptRenderer] = []  # the intake's renderer for the tiny model (set once per module)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def renderer(llama_dir):
+    _renderer.append(PromptRenderer.for_model(llama_dir, "hermes"))
+    yield
+    _renderer.clear()
 
 
 def running_loop(engine, pacing: BackgroundPacing | None = None):
@@ -47,8 +60,8 @@ def job(job_id: str, streamed: Streamed | None = None, timeout_s: float = 60.0, 
     request = JobRequest(**{"model": "tiny", "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True, "max_tokens": 12,
                             **fields})
     now = time.time()
-    return JobStart(job_id, Delivery("q", f"{job_id}-0", {"job_id": job_id, "attempt": "1"}), request, 1, now, None,
-                    now + timeout_s, streamed or Streamed([], "", 1))
+    return JobStart(job_id, Delivery("q", f"{job_id}-0", {"job_id": job_id, "attempt": "1"}), request,
+                    _renderer[0].render(request), 1, now, None, now + timeout_s, streamed or Streamed([], "", 1))
 
 
 def until_finished(loop, job_id: str, timeout: float = 30.0) -> list:
@@ -170,8 +183,7 @@ def test_a_job_past_its_execution_timeout_is_timed_out(loop):
 
 
 def test_bad_jobs_fail_alone_with_a_stable_code(loop):
-    too_long = job("long")
-    too_long.request = too_long.request.model_copy(update={"prompt": "fox " * 400})  # over max_model_len=256
+    too_long = job("long", prompt="fox " * 400)  # over max_model_len=256
     loop.start([job("ok"), too_long], arrived=2)
     failed = until_finished(loop, "long")
     assert events(failed)[-1].type == "failed" and events(failed)[-1].code == ErrorCode.PROMPT_TOO_LONG
@@ -180,22 +192,14 @@ def test_bad_jobs_fail_alone_with_a_stable_code(loop):
 
 
 
-@pytest.fixture(scope="module")
-def lane_engine(llama_dir):
-    from ferry.worker.protocol import ENGINE_PRIORITY, Priority
-
-    return Engine(llama_dir, kv_cache_bytes=16 << 20, max_model_len=256,
-                  background_priority=ENGINE_PRIORITY[Priority.low])
-
-
 @pytest.fixture
-def lane_loop(lane_engine):
-    yield from running_loop(lane_engine)
+def lane_loop(engine):
+    yield from running_loop(engine)
 
 
 def test_a_background_job_hands_its_tokens_over_in_groups_and_keeps_every_one(lane_loop, llama_dir):
     """Its tokens come as one event per group, seqs without gaps, and equal the reference's."""
-    from ferry.worker.serve.engine_loop import _BACKGROUND_FLUSH_TOKENS as GROUP
+    GROUP = BACKGROUND_FLUSH_TOKENS  # noqa: N806
 
     lane_loop.start([job("bg", max_tokens=20, priority="low")], arrived=1)
     writes = until_finished(lane_loop, "bg")
@@ -248,10 +252,10 @@ def paused_s(loop) -> float:
 
 
 @pytest.mark.parametrize("live_first", [True, False])
-def test_background_work_is_paced_only_while_live_traffic_is_present(lane_engine, llama_dir, live_first):
+def test_background_work_is_paced_only_while_live_traffic_is_present(engine, llama_dir, live_first):
     """Every pause here is the cap (ratio 1e6): 0.1 s after each of a background job's steps while
     a live job ran within the window, none without one; the tokens are the same either way."""
-    with paced_loop(lane_engine, BackgroundPacing(ratio=1e6, window_s=60.0, max_pause_s=0.1)) as loop:
+    with paced_loop(engine, BackgroundPacing(ratio=1e6, window_s=60.0, max_pause_s=0.1)) as loop:
         if live_first:
             loop.start([job("live-p", max_tokens=2)], arrived=1)
             until_finished(loop, "live-p")
@@ -264,9 +268,9 @@ def test_background_work_is_paced_only_while_live_traffic_is_present(lane_engine
             assert paused_s(loop) == 0
 
 
-def test_a_live_arrival_ends_a_background_pause(lane_engine):
+def test_a_live_arrival_ends_a_background_pause(engine):
     """Pauses of up to 60 s: a live job started during one, or a cancel, ends it long before."""
-    with paced_loop(lane_engine, BackgroundPacing(ratio=1e9, window_s=600.0, max_pause_s=60.0)) as loop:
+    with paced_loop(engine, BackgroundPacing(ratio=1e9, window_s=600.0, max_pause_s=60.0)) as loop:
         loop.start([job("live-a", max_tokens=1)], arrived=1)
         until_finished(loop, "live-a")
         loop.start([job("bg-a", max_tokens=4, priority="low")], arrived=1)
@@ -284,51 +288,34 @@ def test_a_live_arrival_ends_a_background_pause(lane_engine):
         assert time.monotonic() - started < 30  # its cancelled event went out at once
 
 
-@pytest.mark.parametrize("live_first", [True, False])
-def test_while_paced_a_burst_of_background_jobs_is_admitted_a_few_per_step(lane_engine, llama_dir, live_first):
-    """20 background jobs handed over at once: while live traffic is present at most 8 of them
-    start per step (their first tokens come in steps of at most 8); with none, all in one step."""
+def test_a_burst_of_background_jobs_does_not_hold_back_a_live_jobs_first_token(engine, llama_dir):
+    """20 background jobs handed over with a live one: their prompts arrive as token ids (rendered
+    by the intake), and the engine serves the live prompt first: its first token is in the first
+    step's writes; every job's tokens are the reference's."""
     batches: queue.SimpleQueue = queue.SimpleQueue()
-    loop = EngineLoop(lane_engine, "w1", WorkerMetrics(), batches.put,
-                      pacing=BackgroundPacing(ratio=1e-9, window_s=60.0, admit_per_step=8))
+    loop = EngineLoop(engine, "w1", WorkerMetrics(), batches.put)
     loop.thread.start()
     try:
-        if live_first:
-            loop.start([job("live-q", max_tokens=1)], arrived=1)
-            while not any(isinstance(w, Finish) for w in batches.get(timeout=30)):
-                pass
         names = [f"burst{i}" for i in range(20)]
-        loop.start([job(name, max_tokens=3, priority="low") for name in names], arrived=len(names))
-        first_tokens_per_step, finished, tokens = [], set(), {name: [] for name in names}
-        deadline = time.monotonic() + 60
-        while len(finished) < len(names) and time.monotonic() < deadline:
+        loop.start([job("live-q", max_tokens=3)] + [job(name, max_tokens=3, priority="low") for name in names],
+                   arrived=len(names) + 1)
+        first_step = batches.get(timeout=30)
+        assert any(isinstance(w, Progress) and w.job_id == "live-q" and w.first_token_at for w in first_step)
+        finished, tokens = set(), {name: [] for name in ["live-q", *names]}
+        step, deadline = first_step, time.monotonic() + 60
+        while True:
+            for w in step:
+                tokens[w.job_id] += [t for e in w.events if e.type == "token" for t in e.token_ids]
+                if isinstance(w, Finish):
+                    finished.add(w.job_id)
+            if len(finished) == len(tokens) or time.monotonic() > deadline:
+                break
             with contextlib.suppress(queue.Empty):
                 step = batches.get(timeout=0.1)
-                firsts = {w.job_id for w in step if isinstance(w, Progress) and w.first_token_at is not None
-                          and not tokens[w.job_id]}
-                if firsts:
-                    first_tokens_per_step.append(len(firsts))
-                for w in step:
-                    tokens[w.job_id] += [t for e in w.events if e.type == "token" for t in e.token_ids]
-                    if isinstance(w, Finish):
-                        finished.add(w.job_id)
+                continue
+            step = []
         expected = list(reference(llama_dir, max_tokens=3).token_ids)
-        assert all(tokens[name] == expected for name in names)
-        if live_first:
-            assert max(first_tokens_per_step) <= 8 and sum(first_tokens_per_step) == 20
-        else:
-            assert first_tokens_per_step == [20]
+        assert all(got == expected for got in tokens.values())
     finally:
         loop.stop.set()
         loop.thread.join(10)
-
-
-def test_hand_back_all_returns_background_jobs_deferred_by_pacing(lane_engine):
-    with paced_loop(lane_engine, BackgroundPacing(ratio=1e-9, window_s=60.0, admit_per_step=2)) as loop:
-        loop.start([job("live-h", max_tokens=1)], arrived=1)
-        until_finished(loop, "live-h")
-        names = [f"deferred{i}" for i in range(10)]
-        loop.start([job(name, max_tokens=200, priority="low") for name in names], arrived=len(names))
-        loop.hand_back_all()
-        ends = [until_finished(loop, name)[-1] for name in names]
-        assert all(isinstance(w, HandBack) and w.attempts == 0 for w in ends)

@@ -1,4 +1,5 @@
-"""Publisher and consumer against the real Redis, without an engine: fencing, ACK order, hand-back, leases."""
+"""Publisher, queue reader and job starter against the real Redis, without an engine: fencing, ACK
+order, hand-back, leases."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from ferry.worker.protocol import (
     enqueue_job,
     event_from_fields,
 )
-from ferry.worker.serve.intake import Consumer
+from ferry.worker.serve.job_starts import JobStarter
 from ferry.worker.serve.publisher import Publisher, PublisherThread
+from ferry.worker.serve.queue_reader import QueueReader, Renewal
+from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.settings import WorkerSettings
 from ferry.worker.serve.writes import HandBack, Lost, Progress, finish
 
@@ -29,68 +32,73 @@ pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
-def env():
+def env(llama_dir):
     prefix = f"ferrytest-{uuid.uuid4().hex}"
     client = redis.Redis(decode_responses=True)
     keys = Keys(prefix)
     settings = WorkerSettings(key_prefix=prefix, model_name="m", lease_s=0.2, max_attempts=3)
-    yield client, keys, settings
+    yield client, keys, settings, PromptRenderer.for_model(llama_dir, "hermes")
     for key in client.scan_iter(f"{prefix}:*"):
         client.delete(key)
     client.close()
 
 
-def _consumer(env, worker_id: str) -> Consumer:
-    client, keys, settings = env
-    consumer = Consumer(client, keys, settings, worker_id)
-    consumer.ensure_groups()
-    return consumer
+def _reader(env, worker_id: str) -> QueueReader:
+    client, keys, settings, _ = env
+    reader = QueueReader(client, keys, "m", worker_id, settings.lease_s)
+    reader.ensure_groups()
+    return reader
+
+
+def _starter(env, worker_id: str) -> JobStarter:
+    client, keys, settings, renderer = env
+    return JobStarter(client, keys, settings, worker_id, renderer)
 
 
 def _take_one(env, worker_id: str = "w1"):
-    client, keys, _ = env
+    client, keys, _, _ = env
     job_id = enqueue_job(client, keys, JobRequest(model="m", prompt="hi", max_tokens=3)).job_id
-    consumer = _consumer(env, worker_id)
-    starts, writes = consumer.prepare(consumer.read(room=4, block_ms=0))
-    assert writes == [] and [s.job_id for s in starts] == [job_id]
-    return consumer, starts[0]
+    reader = _reader(env, worker_id)
+    starts, writes = _starter(env, worker_id).prepare(reader.read(room=4, block_ms=0))
+    assert writes == [] and [s.job_id for s in starts] == [job_id] and starts[0].prompt_ids
+    return reader, starts[0]
 
 
 def test_read_takes_the_highest_priority_first_and_no_more_than_the_room(env):
-    client, keys, _ = env
-    consumer = _consumer(env, "w1")
+    client, keys, _, _ = env
+    reader = _reader(env, "w1")
     job_ids: dict[str, list[str]] = {"high": [], "normal": [], "low": []}
     for priority in ("low", "normal", "high", "normal", "low"):
         request = JobRequest(model="m", prompt=priority, max_tokens=2, priority=priority)
         job_ids[priority].append(enqueue_job(client, keys, request).job_id)
 
-    first = consumer.read(room=3, block_ms=0)
+    first = reader.read(room=3, block_ms=0)
     assert [d.fields["job_id"] for d in first] == job_ids["high"] + job_ids["normal"]
     assert [d.stream for d in first] == [keys.queue("m", "high")] + [keys.queue("m", "normal")] * 2
     # The rest waited in Redis (visible to other workers), and comes with the next read.
-    assert [d.fields["job_id"] for d in consumer.read(room=8, block_ms=0)] == job_ids["low"]
-    assert consumer.read(room=8, block_ms=0) == []
+    assert [d.fields["job_id"] for d in reader.read(room=8, block_ms=0)] == job_ids["low"]
+    assert reader.read(room=8, block_ms=0) == []
 
 
 def test_read_recreates_a_missing_consumer_group(env):
-    client, keys, _ = env
-    consumer = _consumer(env, "w1")
+    client, keys, _, _ = env
+    reader = _reader(env, "w1")
     for stream in keys.queues("m"):
         client.delete(stream)  # as after a Redis restart with nothing persisted
-    assert consumer.read(room=4, block_ms=0) == []
+    assert reader.read(room=4, block_ms=0) == []
     job_id = enqueue_job(client, keys, JobRequest(model="m", prompt="hi", max_tokens=2)).job_id
-    assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [job_id]
+    assert [d.fields["job_id"] for d in reader.read(room=4, block_ms=0)] == [job_id]
 
 
 def test_read_keeps_what_it_took_when_a_later_stream_lost_its_group(env):
-    client, keys, _ = env
-    consumer = _consumer(env, "w1")
+    client, keys, _, _ = env
+    reader = _reader(env, "w1")
     high = enqueue_job(client, keys, JobRequest(model="m", prompt="hi", max_tokens=2, priority="high")).job_id
     client.delete(keys.queue("m", "low"))
     # The high entry is now pending under this consumer: it must come back, not wait out a lease.
-    assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [high]
+    assert [d.fields["job_id"] for d in reader.read(room=4, block_ms=0)] == [high]
     low = enqueue_job(client, keys, JobRequest(model="m", prompt="lo", max_tokens=2, priority="low")).job_id
-    assert [d.fields["job_id"] for d in consumer.read(room=4, block_ms=0)] == [low]
+    assert [d.fields["job_id"] for d in reader.read(room=4, block_ms=0)] == [low]
 
 
 def _done(seq: int) -> CompletedEvent:
@@ -98,7 +106,7 @@ def _done(seq: int) -> CompletedEvent:
 
 
 def test_step_writes_then_terminal_write_acks_last(env):
-    client, keys, _ = env
+    client, keys, _, _ = env
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
     assert (
@@ -116,7 +124,7 @@ def test_step_writes_then_terminal_write_acks_last(env):
 
 
 def test_a_seq_written_by_another_worker_means_the_job_is_lost(env):
-    client, keys, _ = env
+    client, keys, _, _ = env
     _, job = _take_one(env)
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
     mine = TokenEvent(seq=1, text="a", token_ids=[5])
@@ -133,11 +141,11 @@ def test_a_seq_written_by_another_worker_means_the_job_is_lost(env):
 
 
 def test_the_terminal_write_counts_the_tenants_usage_once_and_a_lost_job_not_at_all(env):
-    client, keys, _ = env
+    client, keys, _, _ = env
     _, job = _take_one(env)
     _, other = _take_one(env, "w2")
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
-    usage = {"usage": Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6).model_dump_json()}
+    usage = {"usage": Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6)}
     final = finish(job.job_id, job.delivery, _done(1), "w1", usage)
     assert pub.write([final]) == {}
     assert pub.write([final]) == {}  # the same write again (a lost reply): counted once
@@ -147,16 +155,16 @@ def test_the_terminal_write_counts_the_tenants_usage_once_and_a_lost_job_not_at_
 
 
 def test_hand_back_requeues_on_high_and_the_next_worker_resumes(env):
-    client, keys, _ = env
+    client, keys, _, _ = env
     _, job = _take_one(env, "w1")
     pub = Publisher(client, keys, "m", "w1", result_ttl_s=60)
     pub.write([Progress(job.job_id, [TokenEvent(seq=1, text="ab", token_ids=[5, 6])])])
     pub.write([HandBack(job.job_id, job.delivery, attempts=0)])
     assert client.hget(keys.job(job.job_id), "state") == "queued"
-    other = _consumer(env, "w2")
+    other = _reader(env, "w2")
     deliveries = other.read(room=4, block_ms=0)
     assert [d.stream for d in deliveries] == [keys.queue("m", "high")]
-    [resumed], _ = other.prepare(deliveries)
+    [resumed], _ = _starter(env, "w2").prepare(deliveries)
     assert resumed.streamed.token_ids == [5, 6] and resumed.streamed.text == "ab" and resumed.streamed.next_seq == 2
     assert resumed.attempts == 1 and resumed.delivery.fields["attempt"] == "2"
     events = [event_from_fields(f) for _, f in client.xrange(keys.events(job.job_id))]
@@ -164,21 +172,24 @@ def test_hand_back_requeues_on_high_and_the_next_worker_resumes(env):
 
 
 def test_renew_keeps_the_lease_and_reports_a_reclaimed_entry(env):
-    client, keys, _ = env
-    consumer, job = _take_one(env, "w1")
+    client, keys, _, _ = env
+    reader, job = _take_one(env, "w1")
     time.sleep(0.3)
-    assert consumer.renew([(job.job_id, job.delivery)]) == (set(), set())
-    thief = _consumer(env, "w2")
+    assert reader.renew([(job.job_id, job.delivery)]) == Renewal(set(), set(), set())
+    thief = _reader(env, "w2")
     assert thief.reap(room=4, held=set()) == []  # renewed: not idle long enough
     time.sleep(0.3)
     [taken] = thief.reap(room=4, held=set())
     assert taken.entry_id == job.delivery.entry_id and taken.reclaimed
     client.hset(keys.job(job.job_id), "cancel", "1")
-    assert consumer.renew([(job.job_id, job.delivery)]) == ({job.job_id}, {job.job_id})
+    assert reader.renew([(job.job_id, job.delivery)]) == Renewal({job.job_id}, set(), {job.job_id})
+    client.delete(keys.queue("m", "normal"))  # Redis lost the entry (a restart without persistence)
+    client.xgroup_create(keys.queue("m", "normal"), keys.group, id="0", mkstream=True)
+    assert thief.renew([(job.job_id, taken)]) == Renewal(set(), {job.job_id}, {job.job_id})
 
 
 def test_the_publisher_writes_foreground_jobs_before_the_background_lane_of_the_same_round_trip(env):
-    client, keys, _ = env
+    client, keys, _, _ = env
     _, live = _take_one(env)
     _, batch = _take_one(env, "w2")
     listener = client.pubsub(ignore_subscribe_messages=True)

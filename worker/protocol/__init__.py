@@ -1,13 +1,15 @@
 """The wire contract between the API and the workers: jobs, their events, Redis key names and scripts.
 
-`api` imports only this package from `worker`, and importing it never imports torch (the API is
-a torch-free process; a test checks both).
+`api` imports only this package (and the torch-free `worker.common`) from `worker`, and importing
+it never imports torch (the API is a torch-free process; a test checks both).
 
-- `jobs`: the job request, its record in Redis, the queue envelope, states, error codes;
+- `jobs`: the job request, its record in Redis, its result, the queue envelope, states, error codes;
+- `lanes`: a job's queue lane (`Priority`), the one type every process uses for it;
 - `events`: what a job streams, in order, and how it is stored and published;
 - `sampling`: every sampling field and the values it allows (also read by the engine);
+- `structured`, `tools`: structured outputs and tool calling on the wire;
 - `keys`: every Redis key and channel name; `lua`: every script;
-- `queue`: the atomic writes of a queue client (enqueue, cancel).
+- `queue`: the atomic writes of a queue client (enqueue, cancel); `usage`: counting a job that ended.
 """
 
 from ferry.worker.protocol.events import (
@@ -29,7 +31,6 @@ from ferry.worker.protocol.events import (
     seq_of_stream_id,
 )
 from ferry.worker.protocol.jobs import (
-    ENGINE_PRIORITY,
     PROTOCOL_VERSION,
     TERMINAL_STATES,
     WEBHOOK_EVENT_FOR,
@@ -38,9 +39,9 @@ from ferry.worker.protocol.jobs import (
     ErrorCode,
     JobRecord,
     JobRequest,
+    JobResult,
     JobState,
     Message,
-    Priority,
     TextPart,
     Timings,
     TokenLogprob,
@@ -51,7 +52,8 @@ from ferry.worker.protocol.jobs import (
     job_id_created_at,
     new_job_id,
 )
-from ferry.worker.protocol.keys import GROUP, PRIORITIES, Keys
+from ferry.worker.protocol.keys import GROUP, Keys
+from ferry.worker.protocol.lanes import LIVE_LANES, Priority
 from ferry.worker.protocol.queue import (
     EnqueueResult,
     cancel_job,
@@ -64,9 +66,8 @@ from ferry.worker.protocol.queue import (
 from ferry.worker.protocol.structured import StructuredOutputsRequest
 
 __all__ = [
-    "ENGINE_PRIORITY",
     "GROUP",
-    "PRIORITIES",
+    "LIVE_LANES",
     "PROTOCOL_VERSION",
     "STATE_AFTER_EVENT",
     "TERMINAL_EVENT_TYPES",
@@ -82,6 +83,7 @@ __all__ = [
     "FailedEvent",
     "JobRecord",
     "JobRequest",
+    "JobResult",
     "StructuredOutputsRequest",
     "JobState",
     "Keys",

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from ferry.worker.protocol.codec import compact_json, decoded
+from ferry.worker.protocol.lanes import Priority
 from ferry.worker.protocol.sampling import (
     LIMITS,
     LOGIT_BIAS_MAX,
@@ -53,16 +54,6 @@ TERMINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.cance
 TERMINAL_STATES_ARG = " ".join(sorted(TERMINAL_STATES))  # how the Lua scripts take them (worker.protocol.lua)
 
 
-class Priority(StrEnum):
-    high = "high"
-    normal = "normal"
-    low = "low"
-
-
-# Engine priority per job priority: lower is served first and preempted last.
-ENGINE_PRIORITY = {Priority.high: 0, Priority.normal: 1, Priority.low: 2}
-
-
 class ErrorCode:
     """Stable error codes of `failed` / `timed_out` events and of the job hash's `error_code`."""
 
@@ -77,6 +68,7 @@ class ErrorCode:
     EXECUTION_TIMEOUT = "execution_timeout"  # ran longer than timeout_s (state timed_out)
     ENGINE_ERROR = "engine_error"  # the engine raised while serving the job
     INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # the grammar compiler refused structured_outputs
+    SCHEMA_TOO_COMPLEX = "schema_too_complex"  # structured_outputs over the compile budget (worker.protocol.structured)
 
 
 # Webhook event names, and the job event type each is sent for. A timeout is a failure to the
@@ -406,6 +398,42 @@ class Envelope(BaseModel):
 _JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason", "tool_calls")
 
 
+def _encode_fields(values: dict[str, Any]) -> dict[str, str]:
+    """Fields of a job hash as Redis holds them: JSON for the structured ones, "1"/"0" for booleans,
+    decimal strings for numbers."""
+    out: dict[str, str] = {}
+    for name, value in values.items():
+        if name in _JSON_FIELDS:
+            out[name] = compact_json(value)
+        elif isinstance(value, bool):
+            out[name] = "1" if value else "0"
+        else:
+            out[name] = str(value)
+    return out
+
+
+class JobResult(BaseModel):
+    """What a job's terminal write adds to its hash: the `JobRecord` fields a worker fills in when
+    the job ends, encoded as `JobRecord` encodes them."""
+
+    state: JobState
+    finished_at: float
+    worker_id: str
+    text: str | None = None  # the whole generated text
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on success
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    content: str | None = None  # a chat with tools: the text that is not tool calls
+    tool_calls: list[ToolCall] | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+    def to_redis(self) -> dict[str, str]:
+        return _encode_fields(self.model_dump(mode="json", exclude_none=True))
+
+
 class JobRecord(BaseModel):
     """The job hash `{p}:job:{s<n>}:{id}`: one field per attribute, strings in Redis.
 
@@ -463,15 +491,7 @@ class JobRecord(BaseModel):
         return self.state in TERMINAL_STATES
 
     def to_redis(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for name, value in self.model_dump(mode="json", exclude_none=True).items():
-            if name in _JSON_FIELDS:
-                out[name] = compact_json(value)
-            elif isinstance(value, bool):
-                out[name] = "1" if value else "0"
-            else:
-                out[name] = str(value)
-        return out
+        return _encode_fields(self.model_dump(mode="json", exclude_none=True))
 
     @classmethod
     def from_redis(cls, mapping: dict) -> JobRecord | None:

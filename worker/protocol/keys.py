@@ -29,8 +29,8 @@ from functools import lru_cache
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from ferry.worker.common.settings import MAX_QUEUE_SHARDS
+from ferry.worker.protocol.lanes import Priority
 
-PRIORITIES = ("high", "normal", "low")  # read order: a worker drains `high` before `normal` before `low`
 GROUP = "workers"  # the consumer group every worker of a model joins on its queue streams
 _SHARD_SUFFIX = re.compile(r"-s(\d{1,4})$")  # how a job id names its shard (`new_job_id`)
 
@@ -62,18 +62,18 @@ class Keys:
         """The hash slot of a shard's keys."""
         return key_slot(self.shard_tag(shard).encode())
 
-    def queue(self, model: str, priority: str, shard: int = 0) -> str:
-        if priority not in PRIORITIES:
-            raise ValueError(f"unknown priority {priority!r}: must be one of {PRIORITIES}")
-        return f"{self.prefix}:q:{self.shard_tag(shard)}:{model}:{priority}"
+    def queue(self, model: str, priority: Priority | str, shard: int = 0) -> str:
+        """The queue stream of one lane of one shard (ValueError for a lane that does not exist)."""
+        lane = Priority(priority)
+        return f"{self.prefix}:q:{self.shard_tag(shard)}:{model}:{lane}"
 
     def shard_queues(self, model: str, shard: int) -> list[str]:
         """One shard's queue streams in read order, high first (one hash slot)."""
-        return [self.queue(model, p, shard) for p in PRIORITIES]
+        return [self.queue(model, p, shard) for p in Priority]
 
     def queues(self, model: str) -> list[str]:
         """All the model's queue streams in read order: every shard's high, then normal, then low."""
-        return [self.queue(model, p, n) for p in PRIORITIES for n in range(self.shards)]
+        return [self.queue(model, p, n) for p in Priority for n in range(self.shards)]
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{self.shard_tag(self.shard_of(job_id))}:{job_id}"

@@ -89,25 +89,27 @@ return attempts
 """
 
 # Renew the leases of a worker's running entries. KEYS: one queue stream per entry.
-# ARGV: group, consumer, then the entry ids (aligned with KEYS). Returns {ids no longer ours,
-# streams without the group}: a stream that lost its group (Redis restarted empty, the stream
-# deleted) lost its pending entries with it, so they are no longer ours either.
+# ARGV: group, consumer, then the entry ids (aligned with KEYS). Returns {ids another consumer
+# holds now, ids no longer pending at all, streams without the group}: a stream that lost its
+# group (Redis restarted empty, the stream deleted) lost its pending entries with it.
 RENEW = """
-local lost, missing = {}, {}
+local taken, gone, missing = {}, {}, {}
 for k = 1, #KEYS do
   local id = ARGV[k + 2]
   local p = redis.pcall('XPENDING', KEYS[k], ARGV[1], id, id, 1)
   if type(p) == 'table' and p.err then
     if not string.find(p.err, 'NOGROUP') then return redis.error_reply(p.err) end
-    table.insert(lost, id)
+    table.insert(gone, id)
     table.insert(missing, KEYS[k])
-  elseif #p == 0 or p[1][2] ~= ARGV[2] then
-    table.insert(lost, id)
+  elseif #p == 0 then
+    table.insert(gone, id)
+  elseif p[1][2] ~= ARGV[2] then
+    table.insert(taken, id)
   else
     redis.call('XCLAIM', KEYS[k], ARGV[1], ARGV[2], 0, id, 'JUSTID')
   end
 end
-return {lost, missing}
+return {taken, gone, missing}
 """
 
 # Take new entries by strict priority in one round trip. KEYS: the queue streams, highest

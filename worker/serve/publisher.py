@@ -25,11 +25,11 @@ from collections.abc import Callable
 import redis
 
 from ferry.worker.common.connect import UNAVAILABLE
-from ferry.worker.protocol import PRIORITIES, Envelope, JobState, Keys, event_to_fields, lua
+from ferry.worker.protocol import Envelope, JobState, Keys, Priority, event_to_fields, lua
 from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
 from ferry.worker.protocol.usage import account_jobs
 from ferry.worker.serve.replication_check import ReplicationCheck
-from ferry.worker.serve.retry import Stopped, call_with_backoff
+from ferry.worker.serve.retry import RetryAbandoned, call_with_backoff
 from ferry.worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
 
 log = logging.getLogger("ferry.worker.publisher")
@@ -110,7 +110,7 @@ class Publisher:
         d = w.delivery
         attempt = int(d.fields.get("attempt", "1") or 1) + 1
         started = w.attempts is not None
-        target = self.keys.queue(self.model, PRIORITIES[0], self.keys.shard_of(w.job_id)) if started else d.stream
+        target = self.keys.queue(self.model, Priority.high, self.keys.shard_of(w.job_id)) if started else d.stream
         keys = [d.stream, target, self.keys.job(w.job_id)]
         args = [TERMINAL_STATES_ARG, JobState.queued.value, self.keys.group, d.entry_id, self.worker_id,
                 w.attempts if started else "", *Envelope(job_id=w.job_id, attempt=attempt).to_args()]
@@ -172,7 +172,7 @@ class PublisherThread:
                     if part:
                         lost |= call_with_backoff(lambda p=part: self.publisher.write(p), what="publish",
                                                   stop=self.stop, max_delay_s=self.max_delay_s)
-            except Stopped:
+            except RetryAbandoned:
                 return
             self.on_written(batch, lost)
             with self._done:

@@ -15,12 +15,12 @@ log = logging.getLogger("ferry.worker.redis")
 T = TypeVar("T")
 
 
-class Stopped(Exception):
-    """The stop event fired while waiting for Redis to come back."""
+class RetryAbandoned(Exception):
+    """The stop event fired while a Redis call waited for Redis to come back: the caller gives up on it."""
 
 
 def call_with_backoff(fn: Callable[[], T], *, what: str, stop: threading.Event, max_delay_s: float) -> T:
-    """Call `fn` until it does not raise an UNAVAILABLE error; raise Stopped if `stop` is set meanwhile."""
+    """Call `fn` until it does not raise an UNAVAILABLE error; raise RetryAbandoned if `stop` is set meanwhile."""
     delay = 0.05
     failures = 0
     while True:
@@ -31,7 +31,7 @@ def call_with_backoff(fn: Callable[[], T], *, what: str, stop: threading.Event, 
             if failures == 1 or failures % 20 == 0:
                 log.warning("redis unavailable, retrying", extra={"op": what, "error": str(exc), "failures": failures})
             if stop.wait(delay * random.uniform(0.5, 1.0)):
-                raise Stopped(what) from exc
+                raise RetryAbandoned(what) from exc
             delay = min(max_delay_s, delay * 2)
             continue
         if failures:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel
 
-from ferry.worker.protocol import STATE_AFTER_EVENT, FailedEvent, TimedOutEvent
+from ferry.worker.protocol import STATE_AFTER_EVENT, FailedEvent, JobResult, TimedOutEvent
 
 
 @dataclass(slots=True)
@@ -77,14 +78,16 @@ class Lost(StrEnum):
     RECORD_GONE = "its record is gone from Redis"  # a restart without persistence, or an eviction
 
 
-def finish(job_id: str, delivery: Delivery, event: BaseModel, worker_id: str, result: dict[str, str] | None = None,
-           events_before: list[BaseModel] | None = None) -> Finish:
-    """The write that ends a job with terminal `event` (after `events_before`, e.g. the last tokens)."""
-    fields = {"state": STATE_AFTER_EVENT[event.type].value, "finished_at": repr(event.ts), "worker_id": worker_id}
+def finish(job_id: str, delivery: Delivery, event: BaseModel, worker_id: str, output: dict[str, Any] | None = None,
+           events_before: list[BaseModel] | None = None, background: bool = False) -> Finish:
+    """The write that ends a job with terminal `event` (after `events_before`, e.g. the last
+    tokens); `output`: the `JobResult` fields of what it generated."""
+    error = {}
     if isinstance(event, FailedEvent | TimedOutEvent):
-        fields |= {"error_code": event.code, "error_message": event.message}
-    fields |= result or {}
-    return Finish(job_id, delivery, [*(events_before or []), event], fields)
+        error = {"error_code": event.code, "error_message": event.message}
+    result = JobResult(state=STATE_AFTER_EVENT[event.type], finished_at=event.ts, worker_id=worker_id, **error,
+                       **(output or {}))
+    return Finish(job_id, delivery, [*(events_before or []), event], result.to_redis(), background=background)
 
 
 def ends_job(write: JobWrite) -> bool:

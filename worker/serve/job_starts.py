@@ -1,0 +1,260 @@
+"""Deciding what each delivered queue entry becomes, and starting the jobs that run.
+
+`prepare`, per delivered entry: read the job hash and its event stream in one round trip and
+decide: skip (already terminal), fail (malformed envelope, unknown job, bad request, too many
+deliveries -> `{p}:dlq`), cancel, time out (TTL passed before it ever started), or start. A start
+is one atomic script (`running`, attempts + 1, `started` event on the first attempt) and carries
+what was already generated, so the job resumes where the client left off. A started job's prompt
+is rendered here too (chat template, tokenizer: `worker.serve.render`), off the engine thread;
+a prompt the model cannot take fails the job (`invalid_prompt`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+from pydantic import ValidationError
+
+from ferry.worker.engine import InvalidPromptError
+from ferry.worker.protocol import (
+    TERMINAL_EVENT_TYPES,
+    TERMINAL_STATES,
+    CancelledEvent,
+    Envelope,
+    ErrorCode,
+    FailedEvent,
+    JobRequest,
+    JobState,
+    Keys,
+    StartedEvent,
+    TimedOutEvent,
+    TokenEvent,
+    event_from_fields,
+    event_json_tail,
+    lua,
+)
+from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
+from ferry.worker.serve.render import PromptRenderer
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
+
+log = logging.getLogger("ferry.worker.intake")
+
+
+@dataclass(slots=True)
+class Streamed:
+    """What the client already has of a re-delivered job (empty for a first delivery)."""
+
+    token_ids: list[int]  # generated tokens already in the event stream
+    text: str  # text already in the event stream
+    next_seq: int  # seq of the next event
+
+
+@dataclass(slots=True)
+class JobStart:
+    """A job this worker now runs: everything the engine thread needs."""
+
+    job_id: str
+    delivery: Delivery
+    request: JobRequest
+    prompt_ids: list[int]  # the prompt, rendered and tokenized (the engine thread admits token ids only)
+    attempts: int  # deliveries that started running, this one included
+    started_at: float  # unix time the job first started (on any worker)
+    first_token_at: float | None  # unix time of its first token, if an earlier attempt had one
+    deadline: float  # unix time its execution timeout runs out
+    streamed: Streamed  # what earlier attempts already streamed
+
+    @property
+    def background(self) -> bool:
+        """A background-lane job (a batch's line): it gives way to live jobs."""
+        return self.request.priority.background
+
+
+@dataclass(slots=True)
+class _Candidate:
+    delivery: Delivery
+    job_id: str
+    envelope_error: str | None  # why the envelope is malformed (its job id was still readable)
+
+
+@dataclass(slots=True)
+class _Decided:
+    """A job to start: everything its `JobStart` holds but the prompt, rendered once it started."""
+
+    candidate: _Candidate
+    request: JobRequest
+    attempts: int
+    started_at: float
+    first_token_at: float | None
+    deadline: float
+    streamed: Streamed
+
+
+class JobStarter:
+    def __init__(self, client: redis.Redis, keys: Keys, settings: WorkerSettings, worker_id: str,
+                 renderer: PromptRenderer) -> None:
+        self.client = client
+        self.keys = keys
+        self.settings = settings
+        self.worker_id = worker_id
+        self.renderer = renderer
+        self._start = lua.register(client, lua.START)
+
+    def prepare(self, deliveries: list[Delivery]) -> tuple[list[JobStart], list[JobWrite]]:
+        """Decide every delivery: jobs to start, and writes that settle the others (skip/fail/cancel/time out)."""
+        writes: list[JobWrite] = []
+        candidates: list[_Candidate] = []
+        for d in deliveries:
+            try:
+                env = Envelope.from_fields(d.fields)
+                candidates.append(_Candidate(d, env.job_id, None))
+            except ValidationError as exc:
+                reason = _validation_summary(exc)
+                job_id = d.fields.get("job_id")
+                log.warning("malformed envelope", extra={"entry_id": d.entry_id, "job_id": job_id, "error": reason})
+                if isinstance(job_id, str) and job_id:
+                    candidates.append(_Candidate(d, job_id, reason))
+                else:
+                    writes.append(self._dead_letter(None, d, ErrorCode.MALFORMED_ENVELOPE, reason, attempts=0))
+        if not candidates:
+            return [], writes
+        pipe = self.client.pipeline(transaction=False)
+        for c in candidates:
+            pipe.hgetall(self.keys.job(c.job_id))
+            pipe.xrange(self.keys.events(c.job_id))
+        answers = pipe.execute()
+        decided: list[_Decided] = []
+        for i, c in enumerate(candidates):
+            decision = self._decide(c, answers[2 * i], answers[2 * i + 1])
+            (decided if isinstance(decision, _Decided) else writes).append(decision)
+        return self._start_all(decided, writes)
+
+    def _decide(self, c: _Candidate, job: dict[str, str], entries: list) -> _Decided | JobWrite:
+        d, job_id, now = c.delivery, c.job_id, time.time()
+        if not job:
+            return self._dead_letter(
+                None,
+                d,
+                ErrorCode.JOB_NOT_FOUND,
+                f"job {job_id} does not exist (expired or never written)",
+                attempts=0,
+                job_id=job_id,
+            )
+        events = [event_from_fields(fields) for _, fields in entries]
+        if job.get("state") in TERMINAL_STATES or (events and events[-1].type in TERMINAL_EVENT_TYPES):
+            return Discard(d)  # settled already (e.g. cancelled while queued)
+        next_seq = events[-1].seq + 1 if events else 0
+        attempts = int(job.get("attempts", "0"))
+        if c.envelope_error is not None:
+            return self._dead_letter(next_seq, d, ErrorCode.MALFORMED_ENVELOPE, c.envelope_error, attempts, job_id)
+        try:
+            request = JobRequest.model_validate_json(job.get("request", ""))
+        except ValidationError as exc:
+            return finish(
+                job_id,
+                d,
+                FailedEvent(seq=next_seq, code=ErrorCode.INVALID_REQUEST, message=_validation_summary(exc)),
+                self.worker_id,
+            )
+        if job.get("cancel") == "1":
+            return finish(job_id, d, CancelledEvent(seq=next_seq), self.worker_id)
+        if attempts >= self.settings.max_attempts:
+            message = f"delivered {attempts + 1} times, more than max_attempts={self.settings.max_attempts}"
+            return self._dead_letter(next_seq, d, ErrorCode.MAX_ATTEMPTS_EXCEEDED, message, attempts, job_id)
+        started_at = float(job["started_at"]) if "started_at" in job else None
+        ttl = request.ttl_s or self.settings.job_ttl_s
+        if started_at is None and now > request.created_at + ttl:
+            message = f"waited {now - request.created_at:.1f}s in the queue, more than ttl_s={ttl:g}"
+            return finish(
+                job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.TTL_EXPIRED, message=message), self.worker_id
+            )
+        timeout = request.timeout_s or self.settings.job_timeout_s
+        if started_at is not None and now > started_at + timeout:
+            message = f"ran longer than timeout_s={timeout:g}"
+            return finish(job_id, d, TimedOutEvent(seq=next_seq, code=ErrorCode.EXECUTION_TIMEOUT, message=message),
+                             self.worker_id)
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        streamed = Streamed(
+            token_ids=[t for e in tokens for t in e.token_ids],
+            text="".join(e.text for e in tokens),
+            next_seq=max(next_seq, 1),  # the start writes `started` as seq 0 when the stream is empty
+        )
+        first_token_at = float(job["first_token_at"]) if "first_token_at" in job else None
+        return _Decided(c, request, attempts + 1, started_at or now, first_token_at, (started_at or now) + timeout,
+                        streamed)
+
+    def _start_all(self, decided: list[_Decided], writes: list[JobWrite]) -> tuple[list[JobStart], list[JobWrite]]:
+        """Start the decided jobs (one script each, one round trip), then render their prompts."""
+        if not decided:
+            return [], writes
+
+        def build():
+            pipe = self.client.pipeline(transaction=False)
+            for job in decided:
+                job_id = job.candidate.job_id
+                started = event_json_tail(StartedEvent(seq=0, worker_id=self.worker_id, attempt=job.attempts))
+                args = [TERMINAL_STATES_ARG, JobState.running.value, self.worker_id, repr(job.started_at),
+                        self.keys.channel(job_id), started]
+                lua.add(pipe, self._start, [self.keys.job(job_id), self.keys.events(job_id)], args)
+            return pipe
+
+        answers = lua.raise_errors(lua.execute(build, [self._start]))
+        ok: list[JobStart] = []
+        again: list[Delivery] = []
+        for job, attempts in zip(decided, answers, strict=True):
+            if not attempts:
+                again.append(job.candidate.delivery)  # cancelled or settled between the read and the start
+                continue
+            job.attempts = int(attempts)
+            start = self._render(job)
+            (ok if isinstance(start, JobStart) else writes).append(start)
+        if again:
+            more_starts, more_writes = self.prepare(again)
+            ok += more_starts
+            writes += more_writes
+        return ok, writes
+
+    def _render(self, job: _Decided) -> JobStart | Finish:
+        """The started job with its prompt as token ids, or the write that fails it (a prompt the model cannot take)."""
+        c = job.candidate
+        try:
+            prompt_ids = self.renderer.render(job.request)
+        except InvalidPromptError as exc:
+            log.warning("job failed", extra={"job_id": c.job_id, "code": ErrorCode.INVALID_PROMPT, "error": str(exc)})
+            event = FailedEvent(seq=job.streamed.next_seq, code=ErrorCode.INVALID_PROMPT, message=str(exc))
+            return finish(c.job_id, c.delivery, event, self.worker_id)
+        return JobStart(c.job_id, c.delivery, job.request, prompt_ids, job.attempts, job.started_at, job.first_token_at,
+                        job.deadline, job.streamed)
+
+    def _dead_letter(self, seq: int | None, d: Delivery, code: str, message: str, attempts: int,
+                     job_id: str | None = None) -> Finish | Discard:
+        """Fail the job (when it exists: `seq` is its next event) and park the entry in {p}:dlq."""
+        entry = {
+            "job_id": job_id or "",
+            "code": code,
+            "message": message,
+            "attempts": str(attempts),
+            "worker_id": self.worker_id,
+            "stream": d.stream,
+            "entry_id": d.entry_id,
+            "envelope": json.dumps(d.fields),
+            "ts": repr(time.time()),
+        }
+        log.warning("dead-lettered", extra={"job_id": job_id, "code": code, "entry_id": d.entry_id})
+        if seq is None:
+            return Discard(d, dead_letter=entry)
+        write = finish(job_id, d, FailedEvent(seq=seq, code=code, message=message), self.worker_id)
+        write.dead_letter = entry
+        return write
+
+
+def _validation_summary(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "request"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)

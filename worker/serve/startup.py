@@ -1,0 +1,64 @@
+"""Loading what a worker serves: the engine (and its tensor-parallel ranks), the prefix-cache
+snapshot restored into it, the engine loop around it, and the intake's own prompt renderer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ferry.worker.engine import Engine
+from ferry.worker.serve.engine_loop import EngineLoop
+from ferry.worker.serve.metrics import WorkerMetrics
+from ferry.worker.serve.pacing import BackgroundPacing
+from ferry.worker.serve.render import PromptRenderer
+from ferry.worker.serve.settings import WorkerSettings
+from ferry.worker.serve.snapshot_keeper import SnapshotKeeper
+from ferry.worker.serve.writes import JobWrite
+from ferry.worker.snapshots import SnapshotStats, fingerprint
+
+log = logging.getLogger("ferry.worker")
+
+
+@dataclass(slots=True)
+class Served:
+    """Everything loaded to serve one model."""
+
+    engine: Engine
+    loop: EngineLoop  # the engine's thread (not started yet)
+    renderer: PromptRenderer  # the intake's: a tokenizer of its own
+    snapshots: SnapshotKeeper | None  # None without FERRY_SNAPSHOT_URL
+    fingerprint: str  # the model's snapshot fingerprint (heartbeat)
+    model_limits: dict[str, str]  # what the API checks requests against (vocab size, context)
+
+
+def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
+         snapshot_stats: SnapshotStats) -> Served:
+    """Load the engine and restore its snapshot (ValueError for a model or settings it cannot serve;
+    RankFailedError when a tensor-parallel rank fails to start)."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    started = time.monotonic()
+    engine = Engine.from_config(settings.engine)
+    try:
+        snapshots, idle_task = None, None
+        if settings.snapshot_url:
+            snapshots = SnapshotKeeper(engine, settings.snapshot_url, settings.snapshot_interval_s,
+                                       settings.snapshot_max_bytes, settings.snapshot_keep, snapshot_stats,
+                                       settings.s3_endpoint_url)
+            snapshots.restore()
+            idle_task = snapshots.save_if_due
+        pacing = BackgroundPacing(settings.background_pause_ratio, settings.background_pause_window_s)
+        loop = EngineLoop(engine, worker_id, metrics, submit, idle_task, settings.tool_call_parser, pacing)
+        served = Served(engine, loop, PromptRenderer.for_model(engine.model_dir, settings.tool_call_parser),
+                        snapshots, fingerprint(engine),
+                        {"vocab_size": str(engine.arch.vocab_size), "max_model_len": str(engine.max_model_len)})
+    except BaseException:
+        engine.close()
+        raise
+    log.info("engine loaded", extra={"model": settings.served_model_name, "fingerprint": served.fingerprint,
+                                     "seconds": round(time.monotonic() - started, 2)})
+    return served
