@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from ferry.worker.protocol import JobRequest, Keys, enqueue_job
-from tests.api.conftest import KEY_B
+from tests.api.conftest import KEY_B, wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -117,7 +117,8 @@ def test_follower_connected_while_queued_sees_the_live_cancel(stack, api, rdb):
     got: list = []
     follower = threading.Thread(target=lambda: got.extend(all_events(api, job_id)))
     follower.start()
-    time.sleep(0.5)
+    # The cancel must come while the follower listens (not before: it would only replay it).
+    wait_until(lambda: rdb.pubsub_numsub(keys.channel(job_id))[0][1] == 1, 30, "the follower to subscribe")
     assert got == [] and follower.is_alive()
     r = api.post(f"/v1/jobs/{job_id}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
