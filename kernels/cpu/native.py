@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SHORT_QUERY_MAX = 16  # query tokens per sequence up to which the native kernel beats gather + SDPA
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name
+    Path(__file__).resolve().parent / "csrc" / name  # resolved: one checkout reached two ways is one build
     for name in (
         "bindings.cpp",
         "paged_attention_cpu.cpp",
@@ -111,7 +111,7 @@ def load():
             torch_version = torch.__version__.replace("+", "-")
             # One build directory per checkout: torch rebuilds whenever the source paths differ from
             # the last build's, so two checkouts sharing one directory rebuilt each other's in turn.
-            checkout = hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+            checkout = hashlib.sha256(str(_SOURCES[0].parent).encode()).hexdigest()[:8]
             build_dir = Path(cpp_extension.get_default_build_root()) / f"{name}-torch{torch_version}-{checkout}"
             log.info("loading native CPU kernels (%s; the first load on a machine compiles it: about a minute)", isa)
             with _exclusive_build(build_dir):
