@@ -32,7 +32,7 @@ from ferry.api.routes.openai import Shape, chat_jobs, completion_jobs, job_error
 from ferry.api.services import ModelLimits, Services, model_limits, resolve_model
 from ferry.worker.common.objectstore import ObjectStore
 from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority, UnreadableRecord
-from ferry.worker.protocol.jobs import MAX_JSON_DEPTH, json_problem
+from ferry.worker.protocol.fields import MAX_JSON_DEPTH, json_problem, nested_deeper_than
 
 BATCH_ID_PATTERN = r"^batch_[0-9a-f]{32}$"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -107,12 +107,15 @@ def read_envelope(number: int, raw: bytes | None, endpoint: str, max_bytes: int)
     """The line `raw` (None: longer than `max_bytes`, its bytes skipped) as an envelope, or LineError."""
     if raw is None:
         raise LineError(number, "line_too_large", f"this line is over the {max_bytes}-byte limit of a request body")
+    too_deep = LineError(number, "invalid_json_line", f"this line nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         item = json.loads(raw)
-    except RecursionError:
-        raise LineError(number, "invalid_json_line", "this line is nested too deeply to parse") from None
+    except RecursionError:  # below the interpreter's recursion limit the depth check below says it
+        raise too_deep from None
     except ValueError as exc:
         raise LineError(number, "invalid_json_line", f"this line is not valid JSON: {exc}") from None
+    if nested_deeper_than(item, MAX_JSON_DEPTH + 2):  # the line's object and its body hold the request
+        raise too_deep
     if not isinstance(item, dict):
         raise LineError(number, "invalid_json_line", "a line must be a JSON object")
     custom_id = item.get("custom_id")

@@ -14,7 +14,6 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,15 +24,17 @@ from pydantic import (
 )
 
 from ferry.worker.protocol.codec import compact_json, decoded
-from ferry.worker.protocol.lanes import Priority
-from ferry.worker.protocol.sampling import (
-    LIMITS,
-    LOGIT_BIAS_MAX,
-    MAX_LOGIT_BIAS_ENTRIES,
-    SAMPLING_LIMITS,
-    TOKEN_ID_MAX,
-    Limit,
+from ferry.worker.protocol.fields import (
+    LogitBias,
+    Metadata,
+    StrictFloat,
+    TokenIds,
+    check_json,
+    sampling_annotation,
+    sampling_fields,
 )
+from ferry.worker.protocol.lanes import Priority
+from ferry.worker.protocol.sampling import LIMITS, SAMPLING_LIMITS, combination_problem
 from ferry.worker.protocol.structured import StructuredOutputsRequest
 from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_tool_choice, forced_tool_schema
 
@@ -82,98 +83,6 @@ WEBHOOK_EVENT_FOR = {
     "timed_out": "job.failed",
     "cancelled": "job.cancelled",
 }
-
-
-# --- what any JSON a request carries must be -----------------------------------------------------
-
-MAX_JSON_DEPTH = 64  # nesting of a whole request body (a JSON schema for structured outputs included)
-METADATA_MAX_DEPTH = 8  # nesting of `metadata`, returned as given (also in webhook bodies)
-METADATA_MAX_BYTES = 16 << 10  # `metadata` as compact JSON
-
-
-def json_problem(value: Any, max_depth: int, where: str = "") -> str | None:
-    """Why a decoded JSON value cannot be stored and handed back as given, or None: a string that
-    is not valid Unicode (a lone surrogate such as "\\udfff", which no UTF-8 encoder takes) or
-    nesting deeper than `max_depth`. Walked without recursion, so any depth is answered."""
-    stack: list[tuple[Any, int, str]] = [(value, 1, where)]
-    while stack:
-        item, depth, path = stack.pop()
-        if len(path) > 80:
-            path = path[:60] + "..."
-        if depth > max_depth:
-            return f"{path or 'body'}: nested deeper than {max_depth} levels"
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return f"{path or 'body'}: not valid Unicode (a lone surrogate)"
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                if isinstance(key, str):
-                    stack.append((key, depth, f"{path}.{key}" if path else str(key)))
-                stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
-        elif isinstance(item, list | tuple):
-            stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(item))
-    return None
-
-
-def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`json_problem` as a pydantic before-validator (ValueError: a 422 naming the place)."""
-    problem = json_problem(value, max_depth)
-    if problem is not None:
-        raise ValueError(problem)
-    return value
-
-
-def check_metadata(value: dict[str, Any]) -> dict[str, Any]:
-    check_json(value, METADATA_MAX_DEPTH)
-    size = len(compact_json(value).encode())
-    if size > METADATA_MAX_BYTES:
-        raise ValueError(f"metadata is {size} bytes as JSON; at most {METADATA_MAX_BYTES} are kept")
-    return value
-
-
-Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
-StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-TokenIds = list[Annotated[int, Strict(), Field(ge=0, le=TOKEN_ID_MAX)]]
-# OpenAI's logit_bias: JSON keys are strings ("50256": -100), read as token ids.
-LogitBias = Annotated[
-    dict[
-        Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)],
-        Annotated[float, Strict(), Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX, allow_inf_nan=False)],
-    ],
-    Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
-]
-
-
-# --- sampling fields, from the one table -------------------------------------------------------
-
-
-def sampling_annotation(limit: Limit, nullable: bool | None = None) -> Any:
-    """The pydantic type of one sampling field: bounds from the table, no type coercion
-    (`"16"` or `true` is not a number), finite floats only; `nullable` overrides the table's."""
-    constraints = {k: getattr(limit, k) for k in ("ge", "gt", "le", "lt") if getattr(limit, k) is not None}
-    finite = {"allow_inf_nan": False} if limit.kind is float else {}
-    scalar: Any = Annotated[limit.kind, Strict(), Field(**finite, **constraints)]
-    if limit.items:
-        listed = Annotated[list[scalar], Field(max_length=limit.max_items)]
-        scalar = listed if limit.kind is not str else Annotated[str, Strict()] | listed
-    return scalar | None if (limit.nullable if nullable is None else nullable) else scalar
-
-
-def sampling_fields(*, optional: bool = False, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`create_model` field definitions of every sampling field; `optional`: each defaults to
-    None (unset: the engine's default applies), as the OpenAI-compatible bodies want."""
-    fields: dict[str, Any] = {}
-    for limit in SAMPLING_LIMITS:
-        if limit.name in exclude:
-            continue
-        annotation = sampling_annotation(limit)
-        if optional:
-            fields[limit.name] = (annotation | None, Field(default=None, description=limit.doc))
-        else:
-            fields[limit.name] = (annotation, Field(default=limit.default, description=limit.doc))
-    return fields
 
 
 # --- the request ---------------------------------------------------------------------------------
@@ -299,10 +208,9 @@ class JobRequest(_JobSampling):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.structured_outputs is not None and self.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides the end)")
+        problem = combination_problem(self.min_tokens, self.max_tokens, self.structured_outputs is not None)
+        if problem is not None:
+            raise ValueError(problem)
         if self.tools is not None and self.messages is None:
             raise ValueError("tools need 'messages' (a chat)")
         if self.forced_tool_schema() is not None and (self.structured_outputs is not None or self.min_tokens):
