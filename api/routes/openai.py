@@ -70,6 +70,7 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request: each is a job of its
 _PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
 _ENDED = object()  # what anext() gives for a follow that has ended
+DEADLINE_MARGIN_S = 30.0  # an answer waits for its job's ttl_s + timeout_s and this long, then gives up
 
 
 # --- requests -> jobs ----------------------------------------------------------------------------
@@ -329,13 +330,15 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
             await refund(svc, jobs[0].tenant, (reservations[0][0], unsent), requests=int(not job_ids))
         raise
     shapes = [shape_for(job_id, i) for i, job_id in enumerate(job_ids)]
+    # Past its queueing and running limits a job can only have been lost (no worker took it): the
+    # answer, streamed or not, ends then.
+    deadline_s = (jobs[0].ttl_s or 0) + (jobs[0].timeout_s or 0) + DEADLINE_MARGIN_S
     if stream:
         events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S,
-                           resync_s=svc.settings.sse_keepalive_s)
-        return await _stream(svc, http, job_ids[0], events, shapes[0], include_usage)
-    deadline = (jobs[0].ttl_s or 0) + (jobs[0].timeout_s or 0) + 30
+                               resync_s=svc.settings.sse_keepalive_s)
+        return await _stream(svc, http, job_ids[0], events, shapes[0], include_usage, deadline_s)
     try:
-        async with asyncio.timeout(deadline):
+        async with asyncio.timeout(deadline_s):
             ends = await asyncio.gather(*(_collect(svc, http, shape, job_id) for shape, job_id in zip(shapes, job_ids,
                                                                                                     strict=True)))
     except TimeoutError:
@@ -401,7 +404,8 @@ async def _prime(events: AsyncIterator[list[Event] | None]) -> list[Event]:
     return buffered
 
 
-async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shape, include_usage: bool):
+async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shape, include_usage: bool,
+                  deadline_s: float):
     try:
         buffered = await _prime(events)
     except BaseException:
@@ -441,6 +445,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
     async def body():
         finished, last_seq = False, -1
         last_write = time.monotonic()
+        deadline = last_write + deadline_s
         try:
             first = shape.first_chunk()
             out = [chunk(first)] if first is not None else []
@@ -461,10 +466,14 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
                 if batch is _ENDED:  # before the terminal event: the process is shutting down
                     yield resume_comment(job_id, last_seq)
                     break
+                if batch is None and time.monotonic() > deadline:
+                    late = error_body(504, "timeout", "no result in time; the job was cancelled")
+                    yield sse_json(late) + sse("[DONE]")
+                    break
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
-            if not finished and not svc.hub.stopping:  # the client went away mid-stream
+            if not finished and not svc.hub.stopping:  # the client went away mid-stream, or the deadline passed
                 await _cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

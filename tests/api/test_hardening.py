@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ferry.api.auth import hash_key
 from ferry.api.main import create_app
 from ferry.api.openai_schemas import ChatCompletionRequest
+from ferry.api.routes import openai as openai_routes
 from ferry.api.schemas import JobCreate
 from ferry.api.settings import ApiSettings
 from ferry.worker.common.addresses import RefusedUrl, is_public
@@ -195,6 +196,19 @@ def test_a_finished_jobs_stream_ends_whatever_the_last_event_id(private):
                 assert r.status_code == 200
                 body = "".join(r.iter_text())
             assert time.monotonic() - started < 5 and "data:" not in body, (last_id, body)
+
+
+def test_a_stream_whose_job_never_runs_ends_at_the_jobs_deadline(private, monkeypatch):
+    """An OpenAI stream of a job no worker takes stayed open for ever, keep-alives only (the answer
+    that is not streamed gave up at the job's ttl_s + timeout_s, plus a margin, with a 504). Now
+    the stream ends then too, with the same error, and its job is cancelled."""
+    monkeypatch.setattr(openai_routes, "DEADLINE_MARGIN_S", 0.0)
+    with app_on(private, models="tiny", job_ttl_s=0.5, job_timeout_s=0.5) as api:
+        with api.stream("POST", "/v1/chat/completions", json=_CHAT_BODY | {"stream": True}) as r:
+            data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        job_id = json.loads(data[0])["id"].removeprefix("chatcmpl-")
+        assert json.loads(data[-2])["error"]["code"] == "timeout" and data[-1] == "[DONE]"
+        assert api.redis.hget(api.keys.job(job_id), "state") == "cancelled"
 
 
 def emit(client: redis.Redis, keys: Keys, job_id: str, event) -> None:
