@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ferry.worker.protocol.structured import check_json_schema
+from ferry.worker.protocol.structured import SpecError, check_json_schema, check_spec, pydantic_error
 
 MAX_TOOLS = 128
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -124,10 +124,25 @@ def check_tool_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> No
             raise ValueError(f"function {choice.function.name!r} is not among the tools ({', '.join(names)})")
 
 
+def check_tool_names(tools: list[Tool]) -> None:
+    """ValueError naming a function that two tools share: a call names its function, so the model
+    could not say which one it calls."""
+    seen: dict[str, list[int]] = {}
+    for i, tool in enumerate(tools):
+        seen.setdefault(tool.function.name, []).append(i)
+    for name, places in seen.items():
+        if len(places) > 1:
+            where = ", ".join(f"tools[{i}]" for i in places)
+            raise ValueError(f"tools: function names must be unique; {name!r} is the name of {where}")
+
+
 def forced_tool_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> dict[str, Any] | None:
     """The JSON schema an output must match when `choice` forces calls, or None (`none`, `auto`):
     a named function's output is its arguments object; `required` is an array of
-    `{"name", "arguments"}` calls (one at most without parallel calls)."""
+    `{"name", "arguments"}` calls (one at most without parallel calls). For pydantic validators:
+    ValueError for tools that share a name, PydanticCustomError (the wire's code) for a schema of
+    the calls beyond what structured outputs allow (the tools' schemas together)."""
+    check_tool_names(tools)
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
         return tool.function.arguments_schema()
@@ -144,4 +159,9 @@ def forced_tool_schema(tools: list[Tool], choice: ToolChoice | None, parallel: b
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    try:
+        check_spec("json", schema)
+    except SpecError as exc:
+        refused = type(exc)(f"tool_choice required: the calls' schema (every tool's together): {exc}")
+        raise pydantic_error(refused) from None
     return schema

@@ -1,5 +1,8 @@
 """What a request asks its output to match: one JSON schema, any JSON object, a regex, one of
-some strings, or an EBNF grammar (vLLM's `structured_outputs` names)."""
+some strings, or an EBNF grammar (vLLM's `structured_outputs` names).
+
+A spec is checked when it is made, by the wire's own check (`worker.protocol.structured`), the
+one the API runs before it queues a job: what the engine refuses is what the API refuses."""
 
 from __future__ import annotations
 
@@ -8,8 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferry.worker.engine.errors import InvalidStructuredOutputError
+from ferry.worker.protocol.structured import KINDS, SpecError, SpecTooComplexError, check_spec, chosen_kind
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+class SchemaTooComplexError(InvalidStructuredOutputError):
+    """A spec beyond the compile budget: refused before compiling (its size), or its compile did
+    not end in time; the wire's code for it is `schema_too_complex`."""
+
+
+def refusal(exc: SpecError, prefix: str) -> InvalidStructuredOutputError:
+    """The engine's exception for a spec the wire's check refused."""
+    cls = SchemaTooComplexError if isinstance(exc, SpecTooComplexError) else InvalidStructuredOutputError
+    return cls(f"{prefix}{exc}")
 
 
 @dataclass(slots=True)
@@ -30,30 +43,14 @@ class StructuredOutputs:
                 raise InvalidStructuredOutputError(f"structured_outputs.json is not valid JSON: {exc}") from exc
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
-        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
-            raise InvalidStructuredOutputError(
-                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}"
-            )
-        problem = self._problem()
-        if problem is not None:
-            raise InvalidStructuredOutputError(f"structured_outputs.{self.kind}: {problem}")
-
-    def _problem(self) -> str | None:
-        if self.json is not None and not isinstance(self.json, dict):
-            return "a JSON schema must be an object"
-        if self.json_object is not False and self.json_object is not True:
-            return "must be true or false"
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                return "must be a non-empty string"
-        if self.choice is not None:
-            if not isinstance(self.choice, list) or not self.choice:
-                return "must be a non-empty list of strings"
-            if not all(isinstance(c, str) and c for c in self.choice):
-                return "every choice must be a non-empty string"
-        return None
+        try:
+            kind = chosen_kind({k: getattr(self, k) for k in KINDS})
+        except SpecError as exc:
+            raise refusal(exc, "structured_outputs: ") from None
+        try:
+            check_spec(kind, getattr(self, kind))
+        except SpecError as exc:
+            raise refusal(exc, f"structured_outputs.{kind}: ") from None
 
     @property
     def kind(self) -> str:
