@@ -140,7 +140,7 @@ def json_value_problem(value: Any) -> tuple[str, str] | None:
     try:  # the common case, in C: nothing to find
         json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
         return None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, TypeError):  # TypeError: not decoded JSON (raw bytes, say): walk it
         pass
     stack: list[tuple[Any, str]] = [(value, "")]  # no recursion: any depth is answered
     while stack:

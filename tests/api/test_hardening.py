@@ -515,6 +515,13 @@ def test_odd_json_anywhere_in_a_body_is_a_422_naming_the_place(served, path, bod
     assert "Traceback" not in served.proc.log()
 
 
+def test_a_body_without_a_content_type_is_a_422(private):
+    """FastAPI hands such a body to the request model as bytes, not decoded JSON: still a 422."""
+    with app_on(private, models="tiny") as api:
+        for path in ("/v1/jobs", "/v1/chat/completions"):
+            error(api.post(path, content=b'{"input": {"prompt": "x"}}'), 422, "invalid_request")
+
+
 def test_a_batch_line_with_a_surrogate_key_is_refused_as_that_line():
     """Batch lines never pass through the HTTP body check: the request models refuse them too."""
     line = {"messages": [{"role": "user", "content": "x"}], "\udfff": 1}
