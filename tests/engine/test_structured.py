@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import json
+import logging
+import random
 import re
 from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
+import xgrammar as xgr
 
 from ferry.worker.engine import LLM, Engine, Resume, SamplingParams
 from ferry.worker.engine.kv_cache import KVCacheManager
 from ferry.worker.engine.scheduler import Scheduler
-from ferry.worker.engine.structured import GrammarState, InvalidStructuredOutputError, StructuredOutputs
+from ferry.worker.engine.structured import (
+    GrammarState,
+    InvalidStructuredOutputError,
+    SchemaTooComplexError,
+    StructuredOutputManager,
+    StructuredOutputs,
+)
+from ferry.worker.engine.structured.grammars import compiler_message, grammar_source
 from tests.engine.helpers import make_request
 
 _NAME = {"type": "string", "maxLength": 6}
@@ -122,8 +133,9 @@ def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(llm):
     assert out.text == "yes" and out.finish_reason == "stop"
 
 
-def test_a_bad_schema_fails_only_its_request(llm):
-    bad = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(json={"type": "objectx"}))
+def test_a_bad_grammar_fails_only_its_request(llm):
+    # The wire's check cannot parse EBNF: the compiler refuses it, in its own words about the text.
+    bad = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(grammar='root ::= "a'))
     good = _json(SCHEMAS[1])
     engine = llm.engine
     engine.add_request("bad", "hi", bad)
@@ -134,7 +146,9 @@ def test_a_bad_schema_fails_only_its_request(llm):
             outs.setdefault(o.request_id, []).append(o)
     [failed] = outs["bad"]
     assert failed.finished and failed.finish_reason == "error"
-    assert isinstance(failed.error, InvalidStructuredOutputError) and "objectx" in failed.stop_reason
+    assert isinstance(failed.error, InvalidStructuredOutputError)
+    assert str(failed.error) == ('structured_outputs.grammar cannot be compiled: EBNF lexer error at line 1, '
+                                 'column 12: Expect " in string literal')  # without xgrammar's source location
     assert outs["good"][-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(o.new_text for o in outs["good"])), SCHEMAS[1])
 
@@ -148,6 +162,10 @@ def test_malformed_specs_are_refused_up_front():
         StructuredOutputs(json="{nope")
     with pytest.raises(InvalidStructuredOutputError, match="choice"):
         StructuredOutputs(choice=[])
+    with pytest.raises(InvalidStructuredOutputError, match="'not' at #/properties/a cannot be enforced"):
+        StructuredOutputs(json={"type": "object", "properties": {"a": {"not": {"type": "number"}}}})
+    with pytest.raises(SchemaTooComplexError, match="unrolls to 50000 characters"):
+        StructuredOutputs(regex="[a-z]{50000}")
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs(choice=["a"]))
 
@@ -223,21 +241,42 @@ def test_twenty_schemas_validate_on_the_pretrained_smollm2(smollm2_dir):
         jsonschema.validate(json.loads(out.text), schema)
 
 
-def test_json_numbers_have_bounded_length():
-    # Bounded so a model cannot write digits until max_tokens; every int64 and double still fits.
-    import xgrammar as xgr
+def _accepts(schema: dict, text: str) -> bool:
+    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar_source("json", schema).text), text)
 
-    from ferry.worker.engine.structured.manager import _json_grammar
 
-    grammar = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "array", "items": {"type": "number"}})))
-    integers = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "integer"})))
-    accepts = xgr.testing._is_grammar_accept_string
-    assert accepts(integers, "-9223372036854775808") and not accepts(integers, "12345678901234567890")
-    assert accepts(grammar, "[1.7976931348623157e308, -0.12345678901234567, 0]")
-    assert not accepts(grammar, "[0.123456789012345678]") and not accepts(grammar, "[1e1000]")
+def test_json_numbers_have_bounded_length_and_are_finite_doubles_and_int64s():
+    # Bounded so a model cannot write digits until max_tokens, and so that every number the
+    # grammar allows parses as a finite double (issue 35: 79.83E533 overflowed) and every integer
+    # as an int64.
+    numbers = {"type": "array", "items": {"type": "number"}}
+    largest = "-9999999999999999999.99999999999999999E+289"  # the grammar's: still a finite double
+    assert _accepts(numbers, f"[{largest}, 1.7976931348623157e289, -0.12345678901234567, 0, 5e-289, 1e7]")
+    assert json.loads(largest) > -float("inf")
+    for wild in ("[1e290]", "[79.83E533]", "[1e1000]", "[0.123456789012345678]", "[12345678901234567890]"):
+        assert not _accepts(numbers, wild)
+    integers = {"type": "array", "items": {"type": "integer"}}
+    assert _accepts(integers, "[-999999999999999999, 999999999999999999]")
+    assert not _accepts(integers, "[1000000000000000000]")  # 19 digits: past what every int64 holds
+    bounded = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+    assert _accepts(bounded, str(2**63 - 1)) and _accepts(bounded, str(-(2**63)))
+    assert not _accepts(bounded, str(2**63))
+    one_sided = {"type": "integer", "minimum": 0}
+    assert _accepts(one_sided, "999999999999999999") and not _accepts(one_sided, "1000000000000000000")
+    assert not _accepts(one_sided, "-1")
     # A pattern's own digits are the user's: not bounded.
-    pattern = xgr.Grammar.from_ebnf(_json_grammar(json.dumps({"type": "string", "pattern": "^[1-9][0-9]*$"})))
-    assert accepts(pattern, '"' + "9" * 40 + '"')
+    assert _accepts({"type": "string", "pattern": "^[1-9][0-9]*$"}, '"' + "9" * 40 + '"')
+
+
+def test_json_strings_have_one_spelling():
+    # Escapes only for what cannot be written raw: "\u0061" is "a", so an additional property
+    # could otherwise be a declared one in disguise; no escape spells a lone surrogate either.
+    strings = {"type": "array", "items": {"type": "string"}}
+    assert _accepts(strings, '["a\\"b\\\\c\\n\\u001f\\t", "é"]')
+    for twice in ('["\\u0061"]', '["\\/"]', '["\\ud800"]', '["\\u00e9"]'):
+        assert not _accepts(strings, twice)
+    mixed = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    assert _accepts(mixed, '{"a": 1, "b": "x"}') and not _accepts(mixed, '{"\\u0061": "x"}')
 
 
 def test_json_strings_hold_neither_surrogates_nor_special_tokens(llm):
@@ -252,3 +291,147 @@ def test_json_strings_hold_neither_surrogates_nor_special_tokens(llm):
         assert "\ufffd" not in out.text
         assert not special & set(out.token_ids[:-1])  # only the final stop token
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_an_object_holds_only_its_declared_properties_unless_it_allows_more():
+    # What a tool without parameters gets: `{}` only (a random-weight model would not end an
+    # object that allows any property).
+    assert _accepts({"type": "object", "properties": {}}, "{}")
+    assert not _accepts({"type": "object", "properties": {}}, '{"a": 1}')
+    assert _accepts({"type": "object", "properties": {}, "additionalProperties": True}, '{"a": 1}')
+
+
+# --- every enforced keyword holds (issue 35, fault 5) ----------------------------------------------
+
+_S = {"type": "string", "maxLength": 6}
+# Each enforced keyword (docs/structured-outputs.md), alone and in the company it needs; strings and
+# arrays bounded, so a random-weight model finishes them.
+KEYWORD_SCHEMAS = [
+    {"type": "null"},
+    {"type": ["integer", "null"]},
+    {"type": "integer"},
+    {"type": "integer", "minimum": -3},
+    {"type": "integer", "exclusiveMinimum": 1.5, "exclusiveMaximum": 9.5},
+    {"type": "number"},
+    {"type": "number", "minimum": 0.25, "maximum": 0.75},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"minimum": 10},
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"type": "string", "pattern": r"^\d+(\.\d{1,2})?$"},
+    {"type": "string", "pattern": "^[^a]{1,3}$"},
+    {"type": "string", "pattern": "^(cat|dog)s?$"},
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "time"},
+    {"type": "string", "format": "date-time"},
+    {"type": "string", "format": "ipv4"},
+    {"type": "string", "format": "uuid"},
+    {"enum": ["a", 1, None, True, [1], {"k": "v"}]},
+    {"type": "string", "enum": ["x", "y"]},
+    {"const": {"a": [1, 2]}},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+    {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 9}, _S], "items": False},
+    {"type": "array", "prefixItems": [{"const": 1}], "items": {"type": "null"}, "maxItems": 3},
+    {"type": "object", "properties": {"a": _S, "b": {"type": "integer"}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "boolean"}}, "additionalProperties": False},
+    {"properties": {"k": {"const": "v"}}, "required": ["k"]},
+    {"anyOf": [{"type": "integer"}, _S, {"type": "array", "maxItems": 0}]},
+    {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+     "$ref": "#/$defs/pt"},
+    {"definitions": {"d": {"type": "integer", "minimum": 0, "maximum": 3}}, "type": "array",
+     "items": {"$ref": "#/definitions/d"}, "maxItems": 2},
+    {"title": "T", "description": "d", "default": 1, "examples": [1], "deprecated": False, "readOnly": True,
+     "writeOnly": False, "$comment": "c", "type": "boolean", "$schema": "https://json-schema.org/draft/2020-12/schema"},
+]
+# What a random-weight model may not finish (unbounded strings and keys), for the grammar walks only.
+UNBOUNDED_SCHEMAS = [
+    {"type": "string", "format": "email"},
+    {"type": "string", "format": "ipv6"},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}},
+    {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}},
+    {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+     "required": ["v", "next"]},
+    {"type": "object"},
+    {"maxItems": 2},
+    {},
+]
+FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+
+def _valid(schema: dict, text: str) -> None:
+    jsonschema.validate(json.loads(text), schema, format_checker=FORMAT_CHECKER)
+
+
+def test_every_enforced_keyword_holds_on_a_random_model(llm):
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=i, structured_outputs=StructuredOutputs(json=s))
+              for i, s in enumerate(KEYWORD_SCHEMAS)]
+    outputs = llm.generate(["Extract:"] * len(params), params, use_tqdm=False)
+    for schema, out in zip(KEYWORD_SCHEMAS, outputs, strict=True):
+        assert out.finish_reason == "stop", (schema, out.text)
+        _valid(schema, out.text)
+
+
+def _walk(matcher: xgr.GrammarMatcher, vocab_size: int, stop: int, rng: random.Random, closers: set[int]) -> list:
+    """A random path through the grammar, leaning to tokens that close things; None if unfinished."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    tokens = []
+    while len(tokens) < 200:
+        if matcher.is_terminated():
+            return tokens
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        logits = torch.zeros(1, vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        allowed = torch.nonzero(logits[0] == 0).flatten().tolist()
+        closing = [t for t in allowed if t in closers]
+        token = rng.choice(closing if closing and rng.random() < 0.3 else allowed)
+        assert matcher.accept_token(token)
+        if token != stop:
+            tokens.append(token)
+    return None
+
+
+@pytest.mark.parametrize("schema", KEYWORD_SCHEMAS + UNBOUNDED_SCHEMAS, ids=lambda s: json.dumps(s)[:60])
+def test_every_output_the_grammar_allows_validates(llm, schema):
+    # Random paths through the grammar (no model): every byte a byte-level model could write,
+    # surrogates, overlongs and escapes included; what ends must parse and validate.
+    tokenizer, structured = llm.tokenizer, llm.engine.structured
+    compiled = structured.compile(StructuredOutputs(json=schema)).result()
+    stop = tokenizer.eos_token_id
+    closers = {stop} | {i for t, i in tokenizer.get_vocab().items() if t in ('"', "]", "}", ",")}
+    rng = random.Random(0)
+    finished = 0
+    for _ in range(30):
+        tokens = _walk(xgr.GrammarMatcher(compiled), structured.vocab_size, stop, rng, closers)
+        if tokens is not None:
+            finished += 1
+            _valid(schema, tokenizer.decode(tokens))
+    assert finished >= 10
+
+
+# --- no compile may stall the others (issue 35, fault 4) -------------------------------------------
+
+
+def test_a_compile_over_its_budget_is_refused_as_too_complex_and_the_next_one_compiles(llm):
+    tokenizer = llm.tokenizer
+    manager = StructuredOutputManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id], 8, compile_budget_s=0.5)
+    # Within the wire's budget (it unrolls to 1000 characters) but seconds of CPU to compile: only
+    # a compile can tell, and it is killed at the budget.
+    slow = StructuredOutputs(json={"type": "string", "pattern": "^(([a-z]{0,10}){0,10}){0,10}$"})
+    with pytest.raises(SchemaTooComplexError, match=r"cannot be compiled: its grammar did not compile within 0.5 s"):
+        manager.compile(slow).result()
+    assert manager.compile(slow).exception() is not None  # refused again at once, from the cache
+    quick = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert manager.compile(quick).result().memory_size_bytes > 0
+
+
+def test_the_compilers_inner_words_reach_the_log_not_the_client(caplog):
+    inner = "[08:00:02] /project/cpp/json_schema_converter.cc:974: Check failed: (val <= MAX) is false: Integer"
+    assert compiler_message(RuntimeError(inner)) is None
+    assert compiler_message(RuntimeError("[08:00:02] /project/cpp/regex_converter.cc:94: Regex parsing error at "
+                                         "position 2: Word boundary is not supported yet.\n")) == (
+        "Regex parsing error at position 2: Word boundary is not supported yet.")
+    failed: Future = Future()
+    failed.set_exception(RuntimeError(inner))
+    with caplog.at_level(logging.ERROR), pytest.raises(InvalidStructuredOutputError) as info:
+        GrammarState(failed).start([])
+    assert "Check failed" not in str(info.value) and ".cc" not in str(info.value)
+    assert "Check failed" in caplog.text

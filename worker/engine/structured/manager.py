@@ -2,21 +2,35 @@
 turned into per-request matchers whose token bitmasks constrain that request's logits.
 
 A request's spec is compiled once per (spec, tokenizer) in a small thread pool; the future is
-cached (LRU), so requests that share a schema share one compile, even while it runs. The
-scheduler leaves a request waiting until its grammar is ready (`GrammarState.ready`), and the
-other requests keep stepping meanwhile.
+cached (LRU), so requests that share a spec share one compile, even while it runs, and a spec
+that failed fails again at once. The scheduler leaves a request waiting until its grammar is
+ready (`GrammarState.ready`), and the other requests keep stepping meanwhile.
 
-JSON grammars allow no free whitespace between tokens (`any_whitespace=False`) and numbers of
-bounded length (19 integer digits, 17 fraction digits, 3 exponent digits: every double and int64
-fits): a model cannot spin on blanks or on digits until max_tokens, so every constrained output can
-complete. (SmolLM2 given `{"type": "integer"}` otherwise writes 1000000... to the token limit.)
+No compile may stall the other tenants (issue 35). The wire's check refuses, before anything is
+queued, the specs known to compile slowly (worker.protocol.structured: size, properties, regex
+repetitions). What only a compile can tell is bounded here: each compile thread first compiles
+the spec in a child process of its own at the lowest CPU priority (`compile_process`), which is
+killed once it has used `compile_budget_s` of CPU (`SchemaTooComplexError`, the wire's
+`schema_too_complex`) or if the grammar it built is over `MAX_GRAMMAR_BYTES`; only then does the
+thread compile the same source for the engine, at the lowest priority too. xgrammar releases the
+GIL while it compiles (the engine thread never waited more than 9 ms in a 37 s compile), so what a
+compile takes from the engine is CPU, and the priority hands that back. A compile thread is thus
+held at most a budget's worth of CPU by one spec. `bench/structured_isolation.py` measures a
+neighbour's TTFT while hostile specs arrive.
+
+A compile's failure reaches the client in our words: xgrammar's own only where it speaks of the
+user's text (an EBNF or regex syntax error); anything else it says is logged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,9 +38,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xgrammar as xgr
 
-from ferry.worker.engine.structured.params import InvalidStructuredOutputError, StructuredOutputs
+from ferry.worker.engine.errors import InvalidStructuredOutputError
+from ferry.worker.engine.structured.compile_process import CompileProcess
+from ferry.worker.engine.structured.grammars import compile_source, tokenizer_info
+from ferry.worker.engine.structured.params import StructuredOutputs
+
+log = logging.getLogger(__name__)
 
 _COMPILE_THREADS = 2  # compiles run beside the engine thread, which keeps stepping other requests
+COMPILE_BUDGET_S = 10.0  # CPU seconds a spec's first compile may take
+MAX_GRAMMAR_BYTES = 64 << 20  # a compiled grammar's memory (xgrammar's count); the cache holds many
 
 
 class GrammarState:
@@ -49,8 +70,12 @@ class GrammarState:
         tokens do not match."""
         try:
             compiled = self.compiled.result()
+        except InvalidStructuredOutputError:
+            raise
         except Exception as exc:
-            raise InvalidStructuredOutputError(f"structured_outputs cannot be compiled: {_message(exc)}") from exc
+            log.error("grammar compile failed", exc_info=exc)
+            raise InvalidStructuredOutputError("structured_outputs could not be compiled (an internal error; the "
+                                               "worker's log has it)") from exc
         matcher = xgr.GrammarMatcher(compiled)
         for i, token in enumerate(output_token_ids):
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -96,18 +121,31 @@ class GrammarState:
 
 class StructuredOutputManager:
     """Compiles specs for one tokenizer; `vocab_size` is the model's logits width (it may exceed
-    the tokenizer's: the extra ids are never allowed)."""
+    the tokenizer's: the extra ids are never allowed). `compile_budget_s`: CPU seconds a spec's
+    first compile may take before it is refused as too complex."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        cache_size: int,
+        compile_budget_s: float = COMPILE_BUDGET_S,
+    ) -> None:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
+        self.compile_budget_s = compile_budget_s
         self._tokenizer = tokenizer
         self._stop_token_ids = list(stop_token_ids)
-        self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="ferry-grammar")
+        self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="ferry-grammar",
+                                        initializer=_lowest_priority)
         self._cache: OrderedDict[str, Future] = OrderedDict()  # key -> Future[CompiledGrammar], oldest first
+        self._lock = threading.Lock()  # guards the compiler and the children, made on first use
         self._compiler: xgr.GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
+        self._info_json = ""  # the compiler's tokenizer info, for the children
+        self._children: dict[int, CompileProcess] = {}  # compile thread's id -> its child
         self._tokenizer_key: str | None = None
+        weakref.finalize(self, _close_all, self._children)
 
     @property
     def tokenizer_key(self) -> str:
@@ -133,86 +171,39 @@ class StructuredOutputManager:
 
     # --- on the pool's threads ------------------------------------------------------------------
 
-    def _compile(self, spec: StructuredOutputs):
-        compiler = self._get_compiler()
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         kind = spec.kind
-        if kind in ("json", "json_object"):
-            schema = json.dumps(spec.json) if kind == "json" else '{"type": "object"}'
-            return compiler.compile_grammar(_json_grammar(schema))
-        if kind == "regex":
-            return compiler.compile_regex(spec.regex)
-        if kind == "choice":
-            # EBNF string literals take JSON's escapes.
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
-        return compiler.compile_grammar(spec.grammar)
+        child, compiler = self._tools()
+        try:
+            source = child.source(kind, getattr(spec, kind))
+        except InvalidStructuredOutputError as exc:
+            raise type(exc)(f"structured_outputs.{kind} cannot be compiled: {exc}") from None
+        return compile_source(compiler, source)
 
-    def _get_compiler(self) -> xgr.GrammarCompiler:
-        # Built on first use, like tokenizer_key.
-        with self._compiler_lock:
+    def _tools(self) -> tuple[CompileProcess, xgr.GrammarCompiler]:
+        """This thread's child and the engine's compiler, made on first use (an engine that never
+        sees a grammar never starts a child nor reads its vocabulary into xgrammar)."""
+        with self._lock:
             if self._compiler is None:
-                info = _tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                info = tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+                self._info_json = info.serialize_json()
+            child = self._children.get(threading.get_ident())
+            if child is None:
+                child = CompileProcess(self._info_json, self.compile_budget_s, MAX_GRAMMAR_BYTES)
+                self._children[threading.get_ident()] = child
+            return child, self._compiler
 
 
-def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
-    """xgrammar's view of the vocabulary, with every special token of the tokenizer marked special.
-
-    xgrammar detects special tokens from the vocabulary alone and can miss some (a byte-level
-    tokenizer's `<s>` and `<unk>` read as five ordinary characters), which it would then allow
-    inside a JSON string; the detokenizer drops them from the text, so the text would no longer
-    be what the grammar matched. A token whose text is empty is special to xgrammar: never
-    allowed, stop tokens aside."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-    special = set(tokenizer.all_special_ids) | {
-        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
-    }
-    missed = special - set(info.special_token_ids) - set(stop_token_ids)
-    if not missed:
-        return info
-    encoded = [""] * vocab_size
-    for token, index in tokenizer.get_vocab().items():
-        if index < vocab_size and index not in missed:
-            encoded[index] = token
-    return xgr.TokenizerInfo(
-        encoded,
-        vocab_type=info.vocab_type,
-        vocab_size=vocab_size,
-        stop_token_ids=stop_token_ids,
-        add_prefix_space=info.add_prefix_space,
-    )
+def _lowest_priority() -> None:
+    """A compile thread yields the CPU to the engine's (Linux sets a nice value per thread)."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-# xgrammar 0.2.9 writes a string's characters as one of these classes: with minLength/maxLength
-# the first, which lets raw control characters (U+0000-U+001F) through, and both let the UTF-8
-# encodings of surrogates (U+D800-U+DFFF, three bytes each) through. JSON allows neither raw in a
-# string; a byte-level model's tokens can spell a surrogate, which decodes to three U+FFFD.
-_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
-
-
-# ... and these rules of its numbers, unbounded there: (rule, unbounded part, bounded part).
-_NUMBER_RULES = (
-    ("basic_integer", "[1-9] [0-9]*", "[1-9] [0-9]{0, 18}"),  # an integer: 1 to 19 digits
-    ("basic_number_2", "[1-9] [0-9]*", "[1-9] [0-9]{0, 18}"),  # a number's integer part, likewise
-    ("basic_number_3", "basic_number_digits{1, -1}", "basic_number_digits{1, 17}"),  # its fraction
-    ("basic_number_5", "basic_number_digits{1, -1}", "basic_number_digits{1, 3}"),  # its exponent
-)
-
-
-def _json_grammar(schema: str) -> str:
-    """The EBNF of a JSON schema, with no whitespace between tokens beyond one blank after ':'
-    and ',' (any_whitespace=False), numbers of bounded length, and only characters JSON allows
-    unescaped in its strings."""
-    lines = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).splitlines()
-    for rule, unbounded, bounded in _NUMBER_RULES:
-        lines = [
-            line.replace(unbounded, bounded) if line.startswith(rule + " ::= ") else line for line in lines
-        ]
-    text = "\n".join(lines)
-    for loose in _STRING_CHARS:
-        text = text.replace(loose, _JSON_STRING_CHAR)
-    return text
+def _close_all(children: dict[int, CompileProcess]) -> None:
+    for child in list(children.values()):
+        child.close()
 
 
 def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState, Sequence[int]]]) -> dict[int, str]:
@@ -226,16 +217,11 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState,
         try:
             grammar.fill(bitmask, row, extra)
             masked.append(row)
-        except Exception as exc:  # this request's grammar state: it fails alone
-            failed[row] = f"{type(exc).__name__}: {exc}"
+        except InvalidStructuredOutputError as exc:  # this request's grammar state: it fails alone
+            failed[row] = str(exc)
+        except Exception as exc:
+            log.error("grammar mask failed", exc_info=exc)
+            failed[row] = "its grammar could not make a token mask (an internal error; the worker's log has it)"
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=masked)
     return failed
-
-
-def _message(exc: BaseException) -> str:
-    """The compiler's message without its C++ source location prefix."""
-    text = str(exc).strip()
-    if text.startswith("[") and ": " in text:
-        text = text.split(": ", 1)[1] if "/" in text.split(": ", 1)[0] else text
-    return text.splitlines()[0] if text else type(exc).__name__
