@@ -86,6 +86,44 @@ def test_bad_structured_outputs_are_refused_with_the_field_named_and_nothing_que
         assert _queued(api) == 0
 
 
+def _schema_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+# Issue 35: schemas that were accepted and not enforced (fault 5), or that stalled other tenants
+# while they compiled (fault 4); refused before anything is queued, the keyword or the excess named.
+UNENFORCEABLE = [
+    ("/v1/chat/completions", CHAT | _schema_format({"type": "object", "allOf": [{"required": ["a"]}],
+                                                     "properties": {"a": {"type": "integer"}}}),
+     "response_format.json_schema.schema", "'allOf' at # cannot be enforced"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"json": {"not": {"type": "number"}}}},
+     "structured_outputs.json", "'not' at # cannot be enforced"),
+    ("/v1/jobs", {"input": {"prompt": "x", "structured_outputs": {"json": {
+        "allOf": [{"type": "object", "properties": {f"p{i}": {"type": "integer"}}} for i in range(500)]}}}},
+     "input.structured_outputs.json", "'allOf' at #"),
+    ("/v1/chat/completions", CHAT | _schema_format({"type": "object", "properties": {"a": {
+        "type": "string", "maxLenght": 3}}}), "response_format.json_schema.schema", "'maxLenght' at #/properties/a"),
+    ("/v1/chat/completions", CHAT | {"structured_outputs": {"json": {"enum": [f"v{i:05d}" for i in range(100_000)]}}},
+     "structured_outputs.json", "characters as compact JSON (at most 65536)"),
+    ("/v1/chat/completions", CHAT | {"structured_outputs": {"regex": "(?<=a)b"}}, "structured_outputs.regex",
+     "a lookaround is not supported"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}] * 3,
+                                     "tool_choice": "required"}, None, "'f' is the name of tools[0], tools[1]"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field", "words"), UNENFORCEABLE,
+                         ids=["allOf-required", "not", "allOf-500", "typo", "enum-100k", "lookbehind", "tools"])
+def test_what_the_grammar_cannot_enforce_or_afford_is_refused_by_name_and_nothing_queued(path, body, field, words):
+    with local_app() as api:
+        r = api.post(path, json=body)
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and words in error["message"], error
+        assert "Check failed" not in error["message"]
+        assert _queued(api) == 0
+
+
 def test_a_job_carries_structured_outputs_as_given():
     with local_app() as api:
         r = api.post("/v1/jobs", json={"input": {"prompt": "x", "structured_outputs": {"json": SCHEMA}}})
@@ -134,13 +172,16 @@ def test_json_object_and_vllm_extras_on_both_routes(client):
 
 
 @pytest.mark.timeout(120)
-def test_a_schema_the_compiler_refuses_is_a_422_with_its_message(client):
-    # Valid Draft 2020-12 (so the API queues it), but xgrammar cannot compile a grammar for it.
-    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["a"]}
+def test_a_spec_only_the_compiler_refuses_is_a_422_in_our_words(client):
+    # The API cannot parse EBNF, so it queues the grammar; the worker's compiler refuses it, and
+    # the client reads the compiler's words about the text, not its source location.
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
-                                       extra_body={"structured_outputs": {"json": schema}})
+                                       extra_body={"structured_outputs": {"grammar": 'root ::= "a'}})
     assert info.value.body["code"] == "invalid_structured_output"
+    assert info.value.body["message"].endswith(
+        'structured_outputs.grammar cannot be compiled: EBNF lexer error at line 1, column 12: Expect " in string '
+        'literal')
 
 
 def _s(max_length: int = 8) -> dict:

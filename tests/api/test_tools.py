@@ -52,6 +52,16 @@ def test_required_makes_a_random_model_call_a_tool(client):
     assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
 
 
+def test_tools_that_share_a_name_are_a_422_naming_it(client):
+    # Issue 35, fault 6: three tools named f and tool_choice required answered 200 with neither
+    # content nor a call.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": WEATHER}}] * 3
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+                                       max_tokens=20)
+    assert "'f' is the name of tools[0], tools[1], tools[2]" in info.value.body["message"]
+
+
 def test_required_without_parallel_calls_makes_one_call(client):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=150, temperature=0.7, seed=3)
