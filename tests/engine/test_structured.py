@@ -407,6 +407,18 @@ def test_every_output_the_grammar_allows_validates(llm, schema):
     assert finished >= 10
 
 
+@pytest.mark.parametrize("regex", [r"[^a]{1,3}", r".{1,3}", r"a(bc+)?", r"\d+(\.\d{1,2})?", r"[\w\s]{2}"])
+def test_every_output_a_regex_allows_matches_it(llm, regex):
+    # xgrammar's own `.` and negated classes took a newline and the bytes of a surrogate.
+    tokenizer, structured = llm.tokenizer, llm.engine.structured
+    compiled = structured.compile(StructuredOutputs(regex=regex)).result()
+    stop = tokenizer.eos_token_id
+    rng = random.Random(0)
+    for _ in range(30):
+        tokens = _walk(xgr.GrammarMatcher(compiled), structured.vocab_size, stop, rng, {stop})
+        assert tokens is not None and re.fullmatch(regex, tokenizer.decode(tokens)), tokenizer.decode(tokens or [])
+
+
 # --- no compile may stall the others (issue 35, fault 4) -------------------------------------------
 
 

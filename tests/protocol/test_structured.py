@@ -297,3 +297,20 @@ def test_the_docs_list_each_keyword_in_its_set():
     for name, keywords in (("enforced", ENFORCED), ("annotations", ANNOTATIONS), ("refused", REFUSED)):
         listed = set(re.findall(r"`([$A-Za-z]+)`", rows[name].split("|")[2]))
         assert set(keywords) <= listed, (name, set(keywords) - listed)
+
+
+def test_tool_parameters_must_be_enforceable_only_when_a_grammar_holds_them():
+    # With auto a function's parameters only describe it to the model; forced, a grammar holds them.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool]}
+    JobRequest(**chat)
+    JobRequest(**chat, tool_choice="none")
+    for choice, place in (("required", "#/items/anyOf/0/properties/arguments/properties/tags"),
+                          ({"type": "function", "function": {"name": "f"}}, "#/properties/tags")):
+        with pytest.raises(ValidationError) as info:
+            JobRequest(**chat, tool_choice=choice)
+        assert info.value.errors()[0]["type"] == ErrorCode.INVALID_STRUCTURED_OUTPUT
+        assert f"'uniqueItems' at {place} cannot be enforced" in info.value.errors()[0]["msg"]
+    with pytest.raises(ValidationError, match="not a valid JSON schema"):
+        JobRequest(**{**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]})

@@ -451,16 +451,18 @@ _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
 _ANCHORS = (sre.AT_BEGINNING, sre.AT_END, sre.AT_BEGINNING_STRING, sre.AT_END_STRING)  # the others: \\b, \\B
 
 
-def grammar_regex(pattern: str, what: str) -> str:
-    """A JSON schema's `pattern` as the compiler gets it (checked by `check_regex`): the same
-    language or less of it, spelt so that xgrammar 0.2.9 reads it right. Its JSON-string regexes
-    lose the first item of a group under `?` when the group ends in a variable repeat
+def grammar_regex(pattern: str, what: str, json_string: bool = True) -> str:
+    """A regex as the compiler gets it (checked by `check_regex`): the same language or less of
+    it, spelt so that xgrammar 0.2.9 reads it right. Its JSON-string regexes (a schema's
+    `pattern`) lose the first item of a group under `?` when the group ends in a variable repeat
     (`^a(x[0-9]{1,3})?$` accepted "a1"; `^\\d+(\\.\\d{1,2})?$`, a price, accepted "1234"), where
-    `{0,1}` reads right, and mishandle some classes (`_UTF8_SPANS`); so the regex is written anew
-    from its parse, `?` as `{0,1}` and every class as ranges."""
+    `{0,1}` reads right, and mishandle some classes (`_UTF8_SPANS`); its plain regexes let `.` and
+    negated classes take surrogates, and `.` a newline. So the regex is written anew from its
+    parse, `?` as `{0,1}` and every class as ranges. `json_string`: the text goes into a JSON
+    string (a schema's `pattern`), not the whole output (`regex`)."""
     parsed = check_regex(pattern, what)
     try:
-        return _regex_text(parsed)
+        return _RegexWriter(json_string).text(parsed)
     except SpecError as exc:
         raise SpecError(f"{what}: {exc}") from None
 
@@ -507,7 +509,7 @@ def _regex_size(items, what: str) -> int:
     return size
 
 
-_PRINTABLE = ((0x20, 0x10FFFF),)  # what `.` and a negated class choose from (a control character never)
+_PRINTABLE = ((0x20, 0x10FFFF),)  # what `.` and a negated class choose from in a JSON string
 _ASCII_PRINTABLE = ((0x20, 0x7E),)
 _DIGITS = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
@@ -534,39 +536,65 @@ _CLASS_SPECIAL = frozenset("[]\\^-")
 _ATOMS = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN, sre.SUBPATTERN, sre.BRANCH)
 
 
-def _regex_text(items) -> str:
-    return "".join(_item_text(op, arg) for op, arg in items)
+class _RegexWriter:
+    """Writes a parsed regex anew (`grammar_regex`)."""
+
+    def __init__(self, json_string: bool) -> None:
+        # What `.` and a negated class choose from, and what no class may yield: xgrammar writes a
+        # JSON string's class characters raw, so no '"', '\\' or control character there.
+        self.anything = _PRINTABLE if json_string else ((0, 0x10FFFF),)
+        self.unwritable = _ESCAPED if json_string else ()
+
+    def text(self, items) -> str:
+        return "".join(self.item(op, arg) for op, arg in items)
+
+    def item(self, op, arg) -> str:
+        if op == sre.LITERAL:
+            if _minus([(arg, arg)], self.unwritable) != [(arg, arg)]:
+                raise SpecError("a quote, a backslash or a control character is not supported (JSON escapes them)")
+            return _char(arg, _SPECIAL)
+        if op == sre.NOT_LITERAL:
+            return self.char_class(_minus(self.anything, [(arg, arg)]))
+        if op == sre.ANY:
+            return self.char_class(_minus(self.anything, [(0x0A, 0x0A)]))
+        if op == sre.IN:
+            return self.char_class(_class_ranges(arg, self.anything))
+        if op == sre.AT:
+            return _ANCHOR_TEXT[arg]
+        if op == sre.BRANCH:
+            return "(" + "|".join(self.text(branch) for branch in arg[1]) + ")"
+        if op == sre.SUBPATTERN:
+            sub = arg[3]
+            return self.text(sub) if len(sub) == 1 and sub[0][0] == sre.BRANCH else "(" + self.text(sub) + ")"
+        low, high, sub = arg  # a repeat (check_regex let no other construct through)
+        atom = self.text(sub)
+        if not (len(sub) == 1 and sub[0][0] in _ATOMS):
+            atom = "(" + atom + ")"
+        if high == sre.MAXREPEAT:
+            return atom + ("*" if low == 0 else "+" if low == 1 else f"{{{low},}}")
+        return atom + (f"{{{low}}}" if low == high else f"{{{low},{high}}}")
+
+    def char_class(self, ranges) -> str:
+        """A class of these code points: one per UTF-8 length, as alternatives (xgrammar merges
+        the ranges of one class, and a merged range across lengths takes overlongs)."""
+        ranges = _minus(ranges, self.unwritable)
+        classes = []
+        for span_low, span_high in _UTF8_SPANS:
+            pieces = []
+            for low, high in ranges:
+                a, b = max(low, span_low), min(high, span_high)
+                if a <= b:
+                    pieces.append(_char(a, _CLASS_SPECIAL) + ("" if a == b else "-" + _char(b, _CLASS_SPECIAL)))
+            if pieces:
+                classes.append("[" + "".join(pieces) + "]")
+        if not classes:
+            raise SpecError("a class that allows no character")
+        return classes[0] if len(classes) == 1 else "(" + "|".join(classes) + ")"
 
 
-def _item_text(op, arg) -> str:
-    if op == sre.LITERAL:
-        if _minus([(arg, arg)], _ESCAPED) != [(arg, arg)]:
-            raise SpecError("a quote, a backslash or a control character is not supported (JSON escapes them)")
-        return _char(arg, _SPECIAL)
-    if op == sre.NOT_LITERAL:
-        return _class(_minus(_PRINTABLE, [(arg, arg)]))
-    if op == sre.ANY:
-        return _class(_minus(_PRINTABLE, [(0x0A, 0x0A)]))
-    if op == sre.IN:
-        return _class(_class_ranges(arg))
-    if op == sre.AT:
-        return _ANCHOR_TEXT[arg]
-    if op == sre.BRANCH:
-        return "(" + "|".join(_regex_text(branch) for branch in arg[1]) + ")"
-    if op == sre.SUBPATTERN:
-        sub = arg[3]
-        return _regex_text(sub) if len(sub) == 1 and sub[0][0] == sre.BRANCH else "(" + _regex_text(sub) + ")"
-    low, high, sub = arg  # a repeat (check_regex let no other construct through)
-    atom = _regex_text(sub)
-    if not (len(sub) == 1 and sub[0][0] in _ATOMS):
-        atom = "(" + atom + ")"
-    if high == sre.MAXREPEAT:
-        return atom + ("*" if low == 0 else "+" if low == 1 else f"{{{low},}}")
-    return atom + (f"{{{low}}}" if low == high else f"{{{low},{high}}}")
-
-
-def _class_ranges(items) -> list[tuple[int, int]]:
-    """The code points a parsed class stands for, as sorted ranges (see `_CATEGORY_RANGES`)."""
+def _class_ranges(items, anything) -> list[tuple[int, int]]:
+    """The code points a parsed class stands for, as sorted ranges (see `_CATEGORY_RANGES`); a
+    negated one's are taken from `anything`."""
     negate = bool(items) and items[0][0] == sre.NEGATE
     ranges: list[tuple[int, int]] = []
     ascii_only = False
@@ -583,7 +611,7 @@ def _class_ranges(items) -> list[tuple[int, int]]:
             ascii_only = True
     if not negate:
         return _minus(ranges, [])
-    return _minus(_ASCII_PRINTABLE if ascii_only else _PRINTABLE, ranges)
+    return _minus(_ASCII_PRINTABLE if ascii_only else anything, ranges)
 
 
 def _minus(ranges, removed) -> list[tuple[int, int]]:
@@ -606,25 +634,6 @@ def _minus(ranges, removed) -> list[tuple[int, int]]:
                 kept.append((cut_high + 1, high))
         points = kept
     return points
-
-
-def _class(ranges) -> str:
-    """A class of these code points: one per UTF-8 length, as alternatives (xgrammar merges the
-    ranges of one class, and a merged range across lengths takes overlongs), without the
-    characters a JSON string escapes (xgrammar writes a class's characters raw)."""
-    ranges = _minus(ranges, _ESCAPED)
-    classes = []
-    for span_low, span_high in _UTF8_SPANS:
-        pieces = []
-        for low, high in ranges:
-            a, b = max(low, span_low), min(high, span_high)
-            if a <= b:
-                pieces.append(_char(a, _CLASS_SPECIAL) + ("" if a == b else "-" + _char(b, _CLASS_SPECIAL)))
-        if pieces:
-            classes.append("[" + "".join(pieces) + "]")
-    if not classes:
-        raise SpecError("a class that allows no character")
-    return classes[0] if len(classes) == 1 else "(" + "|".join(classes) + ")"
 
 
 def _char(code: int, special: frozenset) -> str:
@@ -664,8 +673,8 @@ def check_spec(kind: str, value: Any) -> Any:
         if not isinstance(value, str) or not value:
             raise SpecError("must be a non-empty string")
         if kind == "regex":
-            check_regex(value, "the regex")
-        elif len(value) > MAX_SPEC_CHARS:
+            return grammar_regex(value, "the regex", json_string=False)
+        if len(value) > MAX_SPEC_CHARS:
             raise _too_big(f"a grammar of {len(value)} characters", MAX_SPEC_CHARS)
         return value
     if kind == "choice":

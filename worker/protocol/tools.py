@@ -5,7 +5,9 @@ an assistant message carries, and the deltas a stream sends.
 does), `auto` (the model may call tools; the worker parses calls out of its text with the
 model's parser, `worker.serve.tool_parsers`), `required` (at least one call) or a named
 function (exactly that call). `required` and a named function are enforced with a grammar over
-the call JSON (`forced_tool_schema`), through the structured-output machinery. No torch here.
+the call JSON (`forced_tool_schema`), through the structured-output machinery: their schemas must
+then be ones a grammar enforces (worker.protocol.structured). With `none` and `auto` a function's
+`parameters` only describe it to the model, so any valid JSON schema goes. No torch here.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import hashlib
 import json
 from typing import Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ferry.worker.protocol.structured import SpecError, check_json_schema, check_spec, pydantic_error
+from ferry.worker.protocol.structured import SpecError, check_spec, pydantic_error
 
 MAX_TOOLS = 128
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -33,7 +36,13 @@ class FunctionDefinition(BaseModel):
     @field_validator("parameters")
     @classmethod
     def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if value is None else check_json_schema(value)
+        if value is not None:
+            try:
+                jsonschema.Draft202012Validator.check_schema(value)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.path)
+                raise ValueError(f"not a valid JSON schema{f' at {where}' if where else ''}: {exc.message}") from None
+        return value
 
     def arguments_schema(self) -> dict[str, Any]:
         return self.parameters if self.parameters is not None else _NO_PARAMETERS
@@ -140,28 +149,30 @@ def forced_tool_schema(tools: list[Tool], choice: ToolChoice | None, parallel: b
     """The JSON schema an output must match when `choice` forces calls, or None (`none`, `auto`):
     a named function's output is its arguments object; `required` is an array of
     `{"name", "arguments"}` calls (one at most without parallel calls). For pydantic validators:
-    ValueError for tools that share a name, PydanticCustomError (the wire's code) for a schema of
-    the calls beyond what structured outputs allow (the tools' schemas together)."""
+    ValueError for tools that share a name, PydanticCustomError (the wire's code) for a schema a
+    grammar cannot enforce or afford (the tools' schemas together, with `required`)."""
     check_tool_names(tools)
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
-        return tool.function.arguments_schema()
-    if choice != "required":
+        schema = tool.function.arguments_schema()
+        what = f"tool_choice {tool.function.name}: its parameters"
+    elif choice == "required":
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": t.function.arguments_schema()},
+                "required": ["name", "arguments"],
+            }
+            for t in tools
+        ]
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        what = "tool_choice required: the calls' schema (every tool's together)"
+    else:
         return None
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": t.function.arguments_schema()},
-            "required": ["name", "arguments"],
-        }
-        for t in tools
-    ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
     try:
         check_spec("json", schema)
     except SpecError as exc:
-        refused = type(exc)(f"tool_choice required: the calls' schema (every tool's together): {exc}")
-        raise pydantic_error(refused) from None
+        raise pydantic_error(type(exc)(f"{what}: {exc}")) from None
     return schema

@@ -62,7 +62,7 @@ def grammar_source(kind: str, value) -> Source:
         schema = check_spec("json", value) if kind == "json" else {"type": "object"}
         return Source("grammar", json_grammar(json.dumps(schema)))
     if kind == "regex":
-        return Source("regex", value)
+        return Source("regex", check_spec("regex", value))
     if kind == "choice":  # EBNF string literals take JSON's escapes
         return Source("grammar", "root ::= " + " | ".join(json.dumps(c) for c in value))
     return Source("grammar", value)
