@@ -45,7 +45,12 @@ class BatchStack:
                       "api": self.start_api("api", self.port)}
         if webhooks:
             self.procs["webhooks"] = Proc("webhooks", ["webhooks", "--loglevel", "WARNING"], self.env, tmp_path)
-        wait_until(lambda: httpx.get(self.url + "/readyz").status_code == 200, 120, "the stack", self.procs.values())
+        try:
+            wait_until(lambda: httpx.get(self.url + "/readyz").status_code == 200, 120, "the stack",
+                       self.procs.values())
+        except BaseException:  # a stack that never got ready must not outlive the test
+            self.close()
+            raise
 
     def start_api(self, name: str, port: int) -> Proc:
         return Proc(name, ["api", "--host", "127.0.0.1", "--port", str(port)], self.env, self.logs)
