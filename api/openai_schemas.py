@@ -14,14 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_v
 from ferry.api.schemas import check_body_json
 from ferry.api.streaming import SSE_EVENT_SCHEMA
 from ferry.worker.protocol import Message, Priority, StructuredOutputsRequest
-from ferry.worker.protocol.jobs import LogitBias, TokenIds, sampling_annotation, sampling_fields
+from ferry.worker.protocol.fields import LogitBias, ModelName, TokenIds, sampling_annotation, sampling_fields
 from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.structured import check_json_schema
 from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Annotated[bool, Strict()] = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -66,6 +66,7 @@ UNSUPPORTED_FIELDS = (
 )
 MAX_N = 16  # choices per request: each is a job of its own, sharing the prompt's KV through the prefix cache
 OPENAI_MAX_STOP = 4  # stop strings OpenAI allows (jobs take more: worker.protocol.sampling)
+_StopString = Annotated[str, Strict(), Field(min_length=1)]  # an empty one would end every output at once
 
 
 # The sampling fields with the engine's names and limits (worker.protocol.sampling); unset (None)
@@ -74,7 +75,7 @@ OPENAI_MAX_STOP = 4  # stop strings OpenAI allows (jobs take more: worker.protoc
 _SamplingFields = create_model(
     "_SamplingFields",
     __config__=ConfigDict(extra="ignore"),
-    model=(str | None, None),
+    model=(ModelName | None, None),
     n=(Annotated[int, Strict()], Field(default=1, ge=1, le=MAX_N, description="choices to generate for the prompt")),
     stream=(bool, False),
     stream_options=(StreamOptions | None, None),
@@ -84,8 +85,8 @@ _SamplingFields = create_model(
     response_format=(ResponseFormat | None, None),
     **{name: (Any, Field(default=None, description="not supported")) for name in UNSUPPORTED_FIELDS},
     **sampling_fields(optional=True, exclude=("logprobs", "stop")),
-    stop=(Annotated[str, Strict()] | Annotated[list[Annotated[str, Strict()]], Field(max_length=OPENAI_MAX_STOP)]
-          | None, Field(default=None, description=f"up to {OPENAI_MAX_STOP} strings that end generation")),
+    stop=(_StopString | Annotated[list[_StopString], Field(max_length=OPENAI_MAX_STOP)] | None,
+          Field(default=None, description=f"up to {OPENAI_MAX_STOP} strings that end generation")),
 )
 _LOGPROBS = sampling_annotation(LIMITS["logprobs"])
 _MAX_TOKENS = sampling_annotation(LIMITS["max_tokens"], nullable=True)

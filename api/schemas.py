@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from ferry.api.errors import json_value_problem
 from ferry.worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
-from ferry.worker.protocol.jobs import Metadata, StrictFloat, check_json, sampling_annotation
+from ferry.worker.protocol.fields import JobSeconds, Metadata, check_json, sampling_annotation
 from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.tools import ToolCall
 
@@ -34,10 +34,8 @@ class JobCreate(BaseModel):
     input: JobInput  # type: ignore[valid-type]
     webhook: Webhook | None = None
     priority: Priority = Priority.normal
-    ttl_s: Annotated[StrictFloat, Field(gt=0)] | None = Field(
-        default=None, description="max seconds queued before it starts"
-    )
-    timeout_s: Annotated[StrictFloat, Field(gt=0)] | None = Field(default=None, description="max seconds running")
+    ttl_s: JobSeconds | None = Field(default=None, description="max seconds queued before it starts")
+    timeout_s: JobSeconds | None = Field(default=None, description="max seconds running")
     metadata: Metadata = Field(default_factory=dict, description="returned as given, also in webhooks")
 
     @model_validator(mode="before")

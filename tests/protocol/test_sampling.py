@@ -110,7 +110,7 @@ def _scalar_cases(limit: Limit) -> tuple[list, list]:
     if limit.kind is bool:
         return [True, False], [1, "true", None]
     if limit.kind is str:
-        return ["</s>", ""], [1, True]
+        return ["</s>", "\n"], [1, True, ""]
     step = 1 if limit.kind is int else 1e-6
     ok, bad = [], ["1", True, [1]]
     if limit.kind is float:

@@ -42,9 +42,11 @@ def json_problem(value: Any, max_depth: int, where: str = "") -> str | None:
                 return f"{path or 'body'}: not valid Unicode (a lone surrogate)"
         elif isinstance(item, dict):
             for key, child in item.items():
+                # The key as a path element, escaped: a lone surrogate in it must not make the message unencodable.
+                name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
                 if isinstance(key, str):
-                    stack.append((key, depth, f"{path}.{key}" if path else str(key)))
-                stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
+                    stack.append((key, depth, f"{path}.{name}" if path else name))
+                stack.append((child, depth + 1, f"{path}.{name}" if path else name))
         elif isinstance(item, list | tuple):
             stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(item))
     return None
@@ -80,6 +82,10 @@ def check_metadata(value: dict[str, Any]) -> dict[str, Any]:
 
 
 Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
+MAX_MODEL_NAME_CHARS = 256  # a served model's name (a Hub id is far shorter); it is echoed back in a 404
+ModelName = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+MAX_JOB_SECONDS = 7 * 86400  # the longest ttl_s / timeout_s a job may ask for (a week)
+JobSeconds = Annotated[float, Strict(), Field(gt=0, le=MAX_JOB_SECONDS, allow_inf_nan=False)]
 StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 TokenIds = list[Annotated[int, Strict(), Field(ge=0, le=TOKEN_ID_MAX)]]
 # OpenAI's logit_bias: JSON keys are strings ("50256": -100), read as token ids.
@@ -100,10 +106,11 @@ def sampling_annotation(limit: Limit, nullable: bool | None = None) -> Any:
     (`"16"` or `true` is not a number), finite floats only; `nullable` overrides the table's."""
     constraints = {k: getattr(limit, k) for k in ("ge", "gt", "le", "lt") if getattr(limit, k) is not None}
     finite = {"allow_inf_nan": False} if limit.kind is float else {}
-    scalar: Any = Annotated[limit.kind, Strict(), Field(**finite, **constraints)]
+    non_empty = {"min_length": 1} if limit.kind is str else {}
+    scalar: Any = Annotated[limit.kind, Strict(), Field(**finite, **constraints, **non_empty)]
     if limit.items:
         listed = Annotated[list[scalar], Field(max_length=limit.max_items)]
-        scalar = listed if limit.kind is not str else Annotated[str, Strict()] | listed
+        scalar = listed if limit.kind is not str else scalar | listed  # a bare stop string is a list of one
     return scalar | None if (limit.nullable if nullable is None else nullable) else scalar
 
 

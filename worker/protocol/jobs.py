@@ -25,9 +25,10 @@ from pydantic import (
 
 from ferry.worker.protocol.codec import compact_json, decoded
 from ferry.worker.protocol.fields import (
+    JobSeconds,
     LogitBias,
     Metadata,
-    StrictFloat,
+    ModelName,
     TokenIds,
     check_json,
     sampling_annotation,
@@ -168,7 +169,7 @@ class JobRequest(_JobSampling):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: ModelName
     prompt: str | TokenIds | None = None
     messages: list[Message] | None = None
 
@@ -177,8 +178,8 @@ class JobRequest(_JobSampling):
     n: Literal[1] = 1
 
     priority: Priority = Priority.normal
-    ttl_s: Annotated[StrictFloat, Field(gt=0)] | None = None  # max time queued before it starts; None: worker default
-    timeout_s: Annotated[StrictFloat, Field(gt=0)] | None = None  # max running time; None: worker default
+    ttl_s: JobSeconds | None = None  # max time queued before it starts; None: worker default
+    timeout_s: JobSeconds | None = None  # max running time; None: worker default
     tenant: str = "default"
     metadata: Metadata = Field(default_factory=dict)
     webhook: Webhook | None = None

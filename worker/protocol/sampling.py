@@ -87,7 +87,7 @@ class Limit:
         if self.kind is bool:
             return not isinstance(value, bool)
         if self.kind is str:
-            return not isinstance(value, str)
+            return not isinstance(value, str) or not value  # an empty stop string would end every output at once
         if isinstance(value, bool) or not isinstance(value, int | float):
             return True
         if self.kind is int and not isinstance(value, int):
@@ -103,14 +103,14 @@ class Limit:
 
     def allowed(self) -> str:
         """The allowed values in words, for error messages."""
-        text = self._range("a boolean" if self.kind is bool else "a string" if self.kind is str else None)
+        text = self._range("a boolean" if self.kind is bool else "a non-empty string" if self.kind is str else None)
         if self.items:
             text = f"a list of {self._range('values')}"
         return f"{text} or null" if self.nullable else text
 
     def _range(self, noun: str | None) -> str:
         if noun is not None and self.kind in (bool, str):
-            return noun if not self.items else ("strings" if self.kind is str else "booleans")
+            return noun if not self.items else ("non-empty strings" if self.kind is str else "booleans")
         kind = "integer" if self.kind is int else "finite number"
         parts = []
         if self.ge is not None:
