@@ -10,15 +10,21 @@ compiled grammar, but its JSON is far bigger and slower than the compile (115 MB
 of it holding the GIL, for a 300-property schema that compiles in 0.2 s), so the source comes
 back, not the grammar. A fork costs 50 ms; a fresh server, 2 s or more (it imports torch).
 
-The budget is CPU seconds of the spec's process, read from /proc where there is one, so that a
-loaded machine, where a niced process gets little CPU, does not refuse a schema an idle one
-compiles; wall time is capped too (`_WALL_FACTOR` times the budget). Past either, the parent
-kills the spec's process; the server goes on.
+The server watches its fork and kills it past the budget: CPU seconds, read from /proc where
+there is one, so that a loaded machine, where an idle-priority process gets little CPU, does not
+refuse a schema an idle one compiles (while the engine keeps the CPU busy, a compile waits); wall
+time is capped too, at `_WALL_FACTOR` times the budget. The watching is the server's, not the
+engine process's: a thread of the engine that woke to poll would take the GIL from the engine's
+thread at every wake, and one at idle priority might not give it back soon.
+
+The server and its forks run at nice 19 and idle scheduling priority in the engine's session (a
+session of their own would weigh as much as the engine's under the kernel's autogroup
+scheduling: a neighbour's TTFT on two cores went from 7 ms to 1 s while one compiled).
 
 Messages are JSON lines. The parent writes the tokenizer info, the server answers `{"ready": true}`;
-then per spec the parent writes `{"kind", "value"}`, the server answers `{"pid"}` (the spec's
-process) and then `{"method", "text", "bytes"}`, `{"error", "message"}` or, if it was killed,
-`{"killed": true}`. The server exits when its stdin closes (the parent went away).
+then per spec the parent writes `{"kind", "value", "budget_s"}`, the server answers `{"method",
+"text", "bytes"}`, `{"error", "message"}`, `{"over_budget": true}` or, if the fork died of itself,
+`{"crashed": true}`. The server exits when its stdin closes (the parent went away).
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ from ferry.worker.engine.structured.params import SchemaTooComplexError
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # importing xgrammar (and torch with it) and reading the vocabulary
-_POLL_S = 0.05
-_WALL_FACTOR = 4
+_POLL_S = 0.05  # how often the server reads its fork's CPU time
+_WALL_FACTOR = 30  # a compile starved of CPU that long (a hang, or a machine never idle) is refused too
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -58,14 +64,15 @@ class CompileProcess:
         """The spec's source, compiled once within the budget. SchemaTooComplexError past the
         budget or over the size, InvalidStructuredOutputError if it does not compile."""
         server = self._started()
-        self._send(server, {"kind": kind, "value": value})
-        pid = self._reply(server, _START_TIMEOUT_S)["pid"]
-        reply = self._reply(server, self.budget_s * _WALL_FACTOR, pid)
+        self._send(server, {"kind": kind, "value": value, "budget_s": self.budget_s})
+        reply = self._reply(server, self.budget_s * _WALL_FACTOR + _START_TIMEOUT_S)
         if reply is None:
-            _kill(pid)
-            self._reply(server, _START_TIMEOUT_S)  # the server's word that it reaped the process
-            raise SchemaTooComplexError(f"its grammar did not compile within {self.budget_s:g} s of CPU: simplify it")
-        if "killed" in reply:  # it died of itself (a crash in the compiler)
+            self.close()
+            raise RuntimeError("the grammar compile server did not answer")
+        if "over_budget" in reply:
+            raise SchemaTooComplexError(f"its grammar did not compile within the budget ({self.budget_s:g} s of "
+                                        f"CPU, {self.budget_s * _WALL_FACTOR:g} s in all): simplify it")
+        if "crashed" in reply:
             raise InvalidStructuredOutputError("the grammar compiler failed on it")
         if "error" in reply:
             if reply["message"] is None:
@@ -88,11 +95,14 @@ class CompileProcess:
     def _started(self) -> subprocess.Popen:
         if self._server is not None and self._server.poll() is None:
             return self._server
+        # A group of its own (a terminal's Ctrl-C is the parent's to handle) but not a session
+        # (see the module's docstring).
         server = subprocess.Popen(
             [sys.executable, "-c", f"from {__name__} import main; main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0,
         )
         self._server = server
+        lowest_priority(server.pid)  # from its start: importing torch and xgrammar takes seconds of CPU
         self._send(server, {"tokenizer_info": self._tokenizer_info_json})
         if self._reply(server, _START_TIMEOUT_S) is None:
             self.close()
@@ -104,14 +114,14 @@ class CompileProcess:
         server.stdin.write(json.dumps(message).encode() + b"\n")
         server.stdin.flush()
 
-    def _reply(self, server: subprocess.Popen, wall_s: float, budgeted: int | None = None) -> dict | None:
-        """The server's next message; None after `wall_s`, or once process `budgeted` has used
-        the budget's CPU."""
+    def _reply(self, server: subprocess.Popen, wall_s: float) -> dict | None:
+        """The server's next message; None after `wall_s`."""
         deadline = time.monotonic() + wall_s
         while b"\n" not in self._received:  # read unbuffered: select sees only what is not read yet
-            if time.monotonic() > deadline or (budgeted is not None and _cpu_seconds(budgeted) > self.budget_s):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
-            if select.select([server.stdout], [], [], _POLL_S)[0]:
+            if select.select([server.stdout], [], [], left)[0]:
                 chunk = os.read(server.stdout.fileno(), 1 << 20)
                 if not chunk:
                     self.close()
@@ -119,6 +129,75 @@ class CompileProcess:
                 self._received += chunk
         line, self._received = self._received.split(b"\n", 1)
         return json.loads(line)
+
+
+def lowest_priority(pid: int) -> None:
+    """The lowest CPU priority for a process or, on Linux, a thread (`pid` a thread's id):
+    nice 19 and idle scheduling, so that the engine's threads come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):  # gone already, or no such call here
+        pass
+
+
+def main() -> None:
+    """The compile server: reads requests on stdin, answers on stdout (see the module's docstring)."""
+    import xgrammar as xgr
+
+    replies = os.fdopen(os.dup(1), "wb")  # (the parent set the priority at the start; the forks inherit it)
+    os.dup2(2, 1)  # whatever else writes to stdout goes to stderr; stdout carries replies only
+    requests = sys.stdin.buffer
+    info = xgr.TokenizerInfo.deserialize_json(json.loads(requests.readline())["tokenizer_info"])
+    try:
+        replies.write(b'{"ready": true}\n')
+        replies.flush()
+        for line in requests:
+            replies.write(json.dumps(_served(info, json.loads(line))).encode() + b"\n")
+            replies.flush()
+    except BrokenPipeError:  # the parent went away
+        return
+
+
+def _served(info, request: dict) -> dict:
+    """Compile one spec in a fork of this server, killed past the request's budget."""
+    budget_s = request.pop("budget_s")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        with os.fdopen(write_end, "wb") as out:
+            out.write(json.dumps(_compile_one(info, request)).encode())
+        os._exit(0)
+    os.close(write_end)
+    reply = b""
+    deadline = time.monotonic() + budget_s * _WALL_FACTOR
+    with os.fdopen(read_end, "rb") as result:
+        while True:
+            if select.select([result], [], [], _POLL_S)[0]:
+                chunk = os.read(result.fileno(), 1 << 20)
+                if not chunk:
+                    break
+                reply += chunk
+            elif _cpu_seconds(pid) > budget_s or time.monotonic() > deadline:
+                _kill(pid)
+                os.waitpid(pid, 0)
+                return {"over_budget": True}
+    os.waitpid(pid, 0)
+    return json.loads(reply) if reply else {"crashed": True}
+
+
+def _compile_one(info, request: dict) -> dict:
+    """In the spec's own process: what the parent is told about the spec."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    try:
+        source = grammar_source(request["kind"], request["value"])
+        compiled = compile_source(compiler, source)
+    except Exception as exc:  # the spec's own failure: the parent says it in our words
+        return {"error": f"{type(exc).__name__}: {exc}", "message": compiler_message(exc)}
+    return {"method": source.method, "text": source.text, "bytes": compiled.memory_size_bytes}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -136,47 +215,3 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:  # it ended on its own meanwhile
         pass
-
-
-def _compile_one(info, request: dict) -> dict:
-    """In the spec's own process: what the parent is told about the spec."""
-    import xgrammar as xgr
-
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    try:
-        source = grammar_source(request["kind"], request["value"])
-        compiled = compile_source(compiler, source)
-    except Exception as exc:  # the spec's own failure: the parent says it in our words
-        return {"error": f"{type(exc).__name__}: {exc}", "message": compiler_message(exc)}
-    return {"method": source.method, "text": source.text, "bytes": compiled.memory_size_bytes}
-
-
-def main() -> None:
-    import xgrammar as xgr
-
-    if hasattr(os, "nice"):
-        os.nice(19)  # the engine's threads come first; the spec's processes inherit it
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever else writes to stdout goes to stderr; stdout carries replies only
-
-    def answer(message: dict) -> None:
-        replies.write(json.dumps(message).encode() + b"\n")
-        replies.flush()
-
-    requests = sys.stdin.buffer
-    info = xgr.TokenizerInfo.deserialize_json(json.loads(requests.readline())["tokenizer_info"])
-    answer({"ready": True})
-    for line in requests:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_end)
-            with os.fdopen(write_end, "wb") as out:
-                out.write(json.dumps(_compile_one(info, json.loads(line))).encode())
-            os._exit(0)
-        os.close(write_end)
-        answer({"pid": pid})
-        with os.fdopen(read_end, "rb") as result:
-            reply = result.read()
-        os.waitpid(pid, 0)
-        answer(json.loads(reply) if reply else {"killed": True})

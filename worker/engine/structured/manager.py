@@ -32,8 +32,9 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 import xgrammar as xgr
@@ -46,7 +47,7 @@ from ferry.worker.engine.structured.params import StructuredOutputs
 log = logging.getLogger(__name__)
 
 _COMPILE_THREADS = 2  # compiles run beside the engine thread, which keeps stepping other requests
-COMPILE_BUDGET_S = 10.0  # CPU seconds a spec's first compile may take
+COMPILE_BUDGET_S = 5.0  # CPU seconds a spec's first compile may take
 MAX_GRAMMAR_BYTES = 64 << 20  # a compiled grammar's memory (xgrammar's count); the cache holds many
 
 
@@ -137,8 +138,7 @@ class StructuredOutputManager:
         self.compile_budget_s = compile_budget_s
         self._tokenizer = tokenizer
         self._stop_token_ids = list(stop_token_ids)
-        self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="ferry-grammar",
-                                        initializer=_lowest_priority)
+        self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="ferry-grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()  # key -> Future[CompiledGrammar], oldest first
         self._lock = threading.Lock()  # guards the compiler and the children, made on first use
         self._compiler: xgr.GrammarCompiler | None = None
@@ -178,7 +178,8 @@ class StructuredOutputManager:
             source = child.source(kind, getattr(spec, kind))
         except InvalidStructuredOutputError as exc:
             raise type(exc)(f"structured_outputs.{kind} cannot be compiled: {exc}") from None
-        return compile_source(compiler, source)
+        with _idle_priority():
+            return compile_source(compiler, source)
 
     def _tools(self) -> tuple[CompileProcess, xgr.GrammarCompiler]:
         """This thread's child and the engine's compiler, made on first use (an engine that never
@@ -195,10 +196,23 @@ class StructuredOutputManager:
             return child, self._compiler
 
 
-def _lowest_priority() -> None:
-    """A compile thread yields the CPU to the engine's (Linux sets a nice value per thread)."""
+@contextmanager
+def _idle_priority() -> Iterator[None]:
+    """Idle scheduling for this thread while it compiles without the GIL, so the engine's threads
+    come first; normal again after, since a thread at idle priority that waits for the GIL keeps
+    the engine's thread, which hands it over, waiting too. (Linux schedules threads one by one;
+    where going back is not allowed, the thread stays idle, which only slows its compiles.)"""
+    thread = threading.get_native_id()
     if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+    try:
+        yield
+    finally:
+        if sys.platform == "linux":
+            try:
+                os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+            except PermissionError:
+                pass
 
 
 def _close_all(children: dict[int, CompileProcess]) -> None:
