@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ferry.api.offloop import INLINE_BYTES, NOT_JSON
+from ferry.worker.protocol.fields import json_value_problem
 
 log = logging.getLogger("ferry.api")
 
@@ -128,54 +129,23 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-def _printable(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode()
-
-
-def json_value_problem(value: Any) -> tuple[str, str] | None:
-    """(where, why) for the first value in decoded JSON that Ferry cannot store or hand back as
-    given, or None: a string or object key with a lone surrogate ("\\udfff": no UTF-8 encoder takes
-    it), or a number JSON cannot carry (NaN, Infinity, or one beyond a double's range such as 1e999,
-    which Python reads as inf). `where` names the place (`metadata.k`, `messages[0]`), escaped."""
-    try:  # the common case, in C: nothing to find
-        json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
-        return None
-    except (ValueError, RecursionError, TypeError):  # TypeError: not decoded JSON (raw bytes, say): walk it
-        pass
-    stack: list[tuple[Any, str]] = [(value, "")]  # no recursion: any depth is answered
-    while stack:
-        item, path = stack.pop()
-        where = path or "body"
-        if isinstance(item, str):
-            try:
-                item.encode()
-            except UnicodeEncodeError:
-                return where, "not valid Unicode (a lone surrogate)"
-        elif isinstance(item, float) and not math.isfinite(item):
-            return where, "not a finite number (NaN, Infinity, or beyond a double's range)"
-        elif isinstance(item, dict):
-            for key, child in reversed(item.items()):
-                name = f"{path}.{_printable(key)}" if path else _printable(key)
-                stack += [(child, name), (key, name)]  # the key first
-        elif isinstance(item, list):
-            stack += [(child, f"{path}[{i}]") for i, child in reversed(list(enumerate(item)))]
-    return None
-
-
-def _json_body_problem(body: bytes) -> JSONResponse | None:
-    """The 422 for a JSON body no route may see (`json_value_problem`), or None. A body that does not
-    parse is left to FastAPI, which answers `invalid_json`."""
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    problem = json_value_problem(value)
-    if problem is None:
+def _problem_response(problem: tuple[str, str] | str | None) -> JSONResponse | None:
+    """The 422 for a JSON body no route may see (`json_value_problem`'s answer), or None. A body that
+    does not parse is left to FastAPI, which answers `invalid_json`."""
+    if problem is None or problem == NOT_JSON:
         return None
     where, why = problem
     if len(where) > 80:
         where = where[:60] + "..."
     return error_response(422, "invalid_request", f"{where}: {why}", None if where == "body" else where)
+
+
+def _json_problem_inline(body: bytes) -> tuple[str, str] | str | None:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return NOT_JSON
+    return json_value_problem(value)  # surrogates and non-finite numbers; the routes' models check depth
 
 
 def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -226,7 +196,15 @@ class BodyLimitMiddleware:
             response = error_response(408, "body_timeout", f"request body not all in within {self.timeout_s:g} s",
                                       headers={"Connection": "close"})
             return await response(scope, receive, send)
-        refused = _json_body_problem(bytes(body)) if body and _is_json(scope["headers"]) else None
+        refused = None
+        if body and _is_json(scope["headers"]):
+            # A large body's parse and walk (tens of ms per MB) run in a checker process at the
+            # lowest CPU priority (`ferry.api.offloop`): one tenant's megabyte bodies must not stall the rest.
+            checks = getattr(scope["app"].state, "body_checks", None)
+            if len(body) <= INLINE_BYTES or checks is None:
+                refused = _problem_response(_json_problem_inline(bytes(body)))
+            else:
+                refused = _problem_response(await checks.json_value_problem(bytes(body)))
         if refused is not None:
             return await refused(scope, receive, send)
         replayed = False

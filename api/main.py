@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from contextlib import asynccontextmanager
 
 import h11
@@ -19,6 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ferry.api.auth import KeyRing
 from ferry.api.batch_driver import BatchDriver
 from ferry.api.errors import BodyLimitMiddleware, install_error_handlers
+from ferry.api.offloop import BodyChecks
 from ferry.api.ratelimit import RateLimitHeaders
 from ferry.api.routes import admin, batches, files, health, jobs, openai, usage
 from ferry.api.services import ApiMetrics, Services
@@ -87,6 +89,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             if settings.redis_min_replicas else None,
         )
         app.state.services.heartbeats.start()
+        app.state.body_checks = BodyChecks(settings.body_check_processes)
         app.state.files_store = open_store(settings.files_url, settings.s3_endpoint_url)
         driver = BatchDriver(app.state.services, app.state.files_store)
         driver.start()
@@ -95,6 +98,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             yield
         finally:
             await driver.close()
+            app.state.body_checks.close()
             await app.state.services.heartbeats.close()
             await hub.close()
             if app.state.services.replication is not None:
@@ -122,6 +126,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(health.router)
     return app
+
+
+_SWITCH_INTERVAL_S = 0.001  # Python's default is 5 ms
 
 
 def stream_deadline_s(grace_s: float) -> float:
@@ -182,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=settings.port, help=f"port (FERRY_PORT, default {settings.port})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Large bodies are parsed and checked on threads beside the event loop; a thread holds the GIL
+    # for up to the switch interval at a time, so the loop (every other request) waits at most that long.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     app = create_app(settings)
     http = type("HeadTimeoutH11", (_HeadTimeoutH11,), {"head_timeout_s": settings.http_head_timeout_s})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=settings.log_level.lower(),

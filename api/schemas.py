@@ -6,7 +6,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from ferry.api.errors import json_value_problem
 from ferry.worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
 from ferry.worker.protocol.fields import JobSeconds, Metadata, check_json, sampling_annotation
 from ferry.worker.protocol.sampling import LIMITS
@@ -45,12 +44,9 @@ class JobCreate(BaseModel):
 
 
 def check_body_json(data: Any) -> Any:
-    """A request body's JSON as a pydantic before-validator: `json_value_problem` (for bodies that do
-    not come through HTTP, such as a batch's lines; HTTP bodies are checked before any route), then
-    `check_json`'s depth. Its messages never hold the offending text, so they can be rendered."""
-    problem = json_value_problem(data)
-    if problem is not None:
-        raise ValueError(": ".join(problem))
+    """A request body's JSON as a pydantic before-validator (`check_json`: surrogates, non-finite
+    numbers, depth; HTTP bodies were checked for the first two before any route, batch lines were
+    not). Its messages never hold the offending text, so they can be rendered."""
     return check_json(data)
 
 

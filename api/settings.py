@@ -3,6 +3,8 @@ shares (Redis, job defaults, keys, the address) are `FerrySettings`'."""
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from ferry.worker.common.settings import FerrySettings
 
 
@@ -11,6 +13,9 @@ class ApiSettings(FerrySettings):
     redis_pool_timeout_s: float = 2.0  # longest wait for one (then 503)
     redis_socket_timeout_s: float = 1.0  # connect and read timeout of every Redis call (then 503)
     max_body_bytes: int = 1 << 20
+    # Processes (at the lowest CPU priority) that parse and check request bodies over 32 KiB, so that
+    # one tenant's large bodies never hold the event loop every other request waits on (api/offloop.py)
+    body_check_processes: int = Field(1, ge=1)
     max_queue_len: int = 10_000  # 429 above this many waiting jobs for a model
     retry_after_s: int = 5  # the Retry-After a 429 suggests
     # Models accepted even with no live worker (scale to zero: the queue wakes the pool),

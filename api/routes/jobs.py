@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError
 from ferry.api.joblist import list_jobs
+from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.ratelimit import admit_jobs
 from ferry.api.schemas import (
     JobCreate,
@@ -45,7 +46,7 @@ from ferry.worker.protocol import (
 )
 from ferry.worker.protocol.jobs import JOB_ID_PATTERN
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=OffLoopBodyRoute)
 
 JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN)]  # checked before any Redis call: an id never names another key
 Svc = Annotated[Services, Depends(services)]

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError, error_body
+from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_schemas import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -56,7 +57,7 @@ from ferry.worker.protocol import (
 from ferry.worker.protocol.sampling import SAMPLING_LIMITS
 from ferry.worker.protocol.tools import ChatDelta, ToolCall
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OffLoopBodyRoute)
 
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]

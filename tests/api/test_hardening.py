@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from ferry.api.auth import hash_key
 from ferry.api.main import create_app
+from ferry.api.offloop import INLINE_BYTES
 from ferry.api.openai_schemas import ChatCompletionRequest
 from ferry.api.routes import openai as openai_routes
 from ferry.api.schemas import JobCreate
@@ -513,6 +514,48 @@ def test_odd_json_anywhere_in_a_body_is_a_422_naming_the_place(served, path, bod
         assert client.get("/healthz").status_code == 200
     assert queued(served) == before
     assert "Traceback" not in served.proc.log()
+
+
+LONG_TEXT = "many words " * 4000  # 44 KB: over INLINE_BYTES, so these bodies are checked in the checker process
+
+
+def _long(body: str) -> str:
+    body = body.replace('"prompt": "x"', f'"prompt": "{LONG_TEXT}"')
+    return body.replace('"content": "x"', f'"content": "{LONG_TEXT}"')
+
+
+LONG_ODD_JSON = {name: (path, _long(body), where) for name, (path, body, where) in ODD_JSON.items()
+                 if len(_long(body)) > INLINE_BYTES}
+
+
+@pytest.mark.parametrize(("path", "body", "where"), list(LONG_ODD_JSON.values()), ids=list(LONG_ODD_JSON))
+def test_odd_json_in_a_large_body_is_the_same_422(served, path, body, where):
+    """Bodies over INLINE_BYTES are parsed and checked off the event loop (`ferry.api.offloop`): the
+    answer must not change with the path taken."""
+    with httpx.Client(base_url=served.base, timeout=10) as client:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert error(r, 422, "invalid_request")["param"] == where
+
+
+def test_a_large_body_its_model_refuses_is_the_422_a_small_one_gets(served):
+    with httpx.Client(base_url=served.base, timeout=10) as client:
+        answers = []
+        for text in ("x", LONG_TEXT):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": "16",
+                    "temperature": -1}
+            answers.append(error(client.post("/v1/chat/completions", json=body), 422, "invalid_request"))
+        assert answers[0] == answers[1]
+        job = {"input": {"prompt": LONG_TEXT, "max_tokens": 0}}
+        assert error(client.post("/v1/jobs", json=job), 422, "invalid_request")["param"] == "input.max_tokens"
+
+
+def test_a_large_valid_body_is_queued_whole(private):
+    with app_on(private, models="tiny") as api:
+        before = queued(api)
+        r = api.post("/v1/jobs", json={"input": {"prompt": LONG_TEXT, "max_tokens": 2}, "metadata": {"k": "v"}})
+        assert r.status_code == 202, r.text
+        assert queued(api) == before + 1
+        assert LONG_TEXT in json.dumps(api.redis.hgetall(api.keys.job(r.json()["id"])))
 
 
 def test_a_body_without_a_content_type_is_a_422(private):

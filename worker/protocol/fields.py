@@ -4,6 +4,8 @@ token ids, logit_bias, metadata, every sampling field from the one table
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, Strict
@@ -24,44 +26,66 @@ METADATA_MAX_DEPTH = 8  # nesting of `metadata`, returned as given (also in webh
 METADATA_MAX_BYTES = 16 << 10  # `metadata` as compact JSON
 
 
-def json_problem(value: Any, max_depth: int, where: str = "") -> str | None:
-    """Why a decoded JSON value cannot be stored and handed back as given, or None: a string that
-    is not valid Unicode (a lone surrogate such as "\\udfff", which no UTF-8 encoder takes) or
-    nesting deeper than `max_depth`. Walked without recursion, so any depth is answered."""
-    stack: list[tuple[Any, int, str]] = [(value, 1, where)]
+def json_value_problem(value: Any, max_depth: int | None = None) -> tuple[str, str] | None:
+    """(where, why) for the first thing in decoded JSON that Ferry cannot store and hand back as
+    given, or None: a string or object key with a lone surrogate ("\\udfff": no UTF-8 encoder takes
+    it), a number JSON cannot carry (NaN, Infinity, or one beyond a double's range such as 1e999,
+    which Python reads as inf), or containers nested deeper than `max_depth` (None: any). `where` names the
+    place (`metadata.k`, `messages[0]`), escaped so the message itself can be encoded.
+
+    The common case, nothing to find, costs a C-speed encode and a walk over the containers alone
+    (a megabyte body in milliseconds: it runs in the request's path); only a body with something
+    to report is walked element by element, to name the place. No recursion: any depth is answered."""
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
+        if max_depth is None or not nested_deeper_than(value, max_depth):
+            return None
+    except (ValueError, RecursionError, TypeError):  # TypeError: not decoded JSON (raw bytes, say): walk it
+        pass
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
     while stack:
         item, depth, path = stack.pop()
-        if len(path) > 80:
-            path = path[:60] + "..."
-        if depth > max_depth:
-            return f"{path or 'body'}: nested deeper than {max_depth} levels"
+        where = path if len(path) <= 80 else path[:60] + "..."
+        if max_depth is not None and depth > max_depth and isinstance(item, dict | list | tuple):
+            return where or "body", f"nested deeper than {max_depth} levels"
         if isinstance(item, str):
             try:
-                item.encode("utf-8")
+                item.encode()
             except UnicodeEncodeError:
-                return f"{path or 'body'}: not valid Unicode (a lone surrogate)"
+                return where or "body", "not valid Unicode (a lone surrogate)"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return where or "body", "not a finite number (NaN, Infinity, or beyond a double's range)"
         elif isinstance(item, dict):
-            for key, child in item.items():
-                # The key as a path element, escaped: a lone surrogate in it must not make the message unencodable.
-                name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
-                if isinstance(key, str):
-                    stack.append((key, depth, f"{path}.{name}" if path else name))
-                stack.append((child, depth + 1, f"{path}.{name}" if path else name))
+            for key, child in reversed(item.items()):
+                name = _printable(key)
+                name = f"{path}.{name}" if path else name
+                stack += [(child, depth + 1, name), (key, depth, name)]  # the key first
         elif isinstance(item, list | tuple):
-            stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(item))
+            stack += [(child, depth + 1, f"{path}[{i}]") for i, child in reversed(list(enumerate(item)))]
     return None
+
+
+def json_problem(value: Any, max_depth: int | None) -> str | None:
+    """`json_value_problem` as one message ("where: why"), or None."""
+    problem = json_value_problem(value, max_depth)
+    return None if problem is None else ": ".join(problem)
+
+
+def _printable(key: Any) -> str:
+    return key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
 
 
 def nested_deeper_than(value: Any, max_depth: int) -> bool:
     """Whether a decoded JSON value nests containers deeper than `max_depth` (walked without
-    recursion, so it answers the same whatever the interpreter's recursion limit)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    recursion, so it answers the same whatever the interpreter's recursion limit; only containers
+    are visited, so a long list of strings costs one pass of C-level iteration)."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > max_depth:
-                return True
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+        if depth > max_depth:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack += [(child, depth + 1) for child in children if type(child) in (dict, list)]
     return False
 
 
