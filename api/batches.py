@@ -6,7 +6,7 @@ A line is read in two steps, both off the event loop (the batch driver runs them
   batch's `url`, a `body` object. A line that fails here fails the batch's validation with a line
   error (`LineError`), as OpenAI's validation does;
 - its request (`build_line`): the body, checked by the same code as a live request
-  (`api.routes.openai`: the request schemas, `chat_jobs` / `completion_jobs`, model routing, the
+  (the request schemas, `chat_jobs` / `completion_jobs` of `api.openai_jobs`, model routing, the
   model's limits), so every sampling field and structured outputs behave as on
   `/v1/chat/completions` and `/v1/completions`. A body the live route would refuse becomes that
   line's answer in the error file, with the live route's status and error body (`refused_line`);
@@ -27,8 +27,9 @@ from pydantic import ValidationError
 from starlette.concurrency import iterate_in_threadpool
 
 from ferry.api.errors import ApiError, error_body
+from ferry.api.openai_jobs import chat_jobs, completion_jobs
+from ferry.api.openai_responses import Shape, job_error
 from ferry.api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from ferry.api.routes.openai import Shape, chat_jobs, completion_jobs, job_error
 from ferry.api.services import ModelLimits, Services, model_limits, resolve_model
 from ferry.worker.common.objectstore import ObjectStore
 from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority, UnreadableRecord
