@@ -199,3 +199,15 @@ def test_kernels_import_only_torch_and_triton():
     used = {name for module, path in MODULES.items() if _layer(module) == "ferry.kernels"
             for name in _third_party(path)}
     assert used <= {"torch", "triton"}, used
+
+
+MAX_MODULE_LINES = 450  # a module past this has more than one job (issue 40)
+SHORT_ORCHESTRATORS = {"ferry.worker.engine.engine": 250, "ferry.worker.serve.main": 250,
+                       "ferry.worker.serve.engine_loop": 250}  # they wire parts, they do not do the work
+
+
+def test_no_module_of_the_worker_or_the_api_is_long():
+    lengths = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()
+               if _layer(module) != "ferry.kernels"}
+    long = {module: n for module, n in lengths.items() if n > SHORT_ORCHESTRATORS.get(module, MAX_MODULE_LINES)}
+    assert not long, long
