@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -318,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.clients)]
     stack = start_stack(model, args)
     try:
+        gc.collect()
+        gc.freeze()  # the client's own collector pauses are not the API's latency
         run = asyncio.run(run_clients(stack.url, stack.api.pid, prompts, args.max_tokens))
     finally:
         stack.stop(args.redis_url)
