@@ -41,6 +41,8 @@ NOT_SAMPLING = {
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "chat_template_kwargs",
+        "reasoning_effort",
     },
     "completion": {
         "model",
@@ -77,6 +79,8 @@ NOT_SAMPLING = {
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "chat_template_kwargs",
+        "reasoning_effort",
     },
 }
 PYDANTIC = {"job": JobRequest, "completion": CompletionRequest, "chat": ChatCompletionRequest}
@@ -135,7 +139,7 @@ def _scalar_cases(limit: Limit) -> tuple[list, list]:
 def _cases(limit: Limit) -> tuple[list, list]:
     ok, bad = _scalar_cases(limit)
     if limit.items:
-        ok_lists = [[v] for v in ok] + [[]]
+        ok_lists = [[v] for v in ok] + ([[]] if limit.min_items == 0 else [])
         if limit.kind is not str:  # a bare string is a list of one for `stop`; a bare number is not a list
             bad_lists = [[v] for v in bad if v is not None] + ok[:1]
         else:
@@ -143,6 +147,8 @@ def _cases(limit: Limit) -> tuple[list, list]:
             ok_lists += ok[:1]
         if limit.max_items is not None:
             bad_lists.append([ok[0]] * (limit.max_items + 1))
+        if limit.min_items:
+            bad_lists.append([ok[0]] * (limit.min_items - 1))
         ok, bad = ok_lists, bad_lists
     if limit.nullable:
         ok.append(None)

@@ -69,7 +69,8 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the token ids must be this model's."""
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise InvalidSamplingParams(
@@ -92,6 +93,8 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
         self._check_prompt(token_ids)
         params = params.resolved(self.sampling_defaults, self.max_model_len - len(token_ids))
         self.check_params(params)
@@ -111,6 +114,7 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             cache_extra=cache_extra(self.model_salt, params.cache_salt),
             background=bool(background),
+            bad_words_token_ids=self.bad_words_token_ids(params.bad_words or []),
         )
         if resumed:
             request.output_token_ids = resumed
@@ -123,6 +127,22 @@ class InputProcessor:
         if params.structured_outputs is not None and not ended:  # its matcher advances over the resumed tokens
             request.grammar = GrammarState(self.structured.compile(params.structured_outputs))
         return request, detokenizer
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, as vLLM tokenizes them: as it starts a text, and after a space
+        when that spelling is a different first token of the same length (a word mid-sentence)."""
+        if words and self.tokenizer is None:
+            raise InvalidSamplingParams("bad_words need a model with a tokenizer")
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:  # only spaces: no token to mask
+                continue
+            sequences.append(bare)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return sequences
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -139,7 +159,12 @@ class InputProcessor:
         """The request's detokenizer, having replayed a resume's tokens (see worker.engine.resume)."""
         if self.tokenizer is None:
             return None
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop_strings)
+        p = request.params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, p.stop_strings, skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+        )
         if request.output_token_ids:
             matched = detokenizer.replay(
                 request.output_token_ids, request.params.min_tokens, resume.num_text_chars, final=ended

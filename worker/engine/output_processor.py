@@ -65,6 +65,9 @@ class OutputProcessor:
             metrics.last_token_time = now
             metrics.token_times.append(now)
             reason, stop_reason = self._token_stop(request, token)
+            # The EOS or stop token that ends a request is not text unless include_stop_str_in_output (vLLM's rule).
+            stop_token = reason is FinishReason.STOP and not request.params.include_stop_str_in_output
+            text_tokens = [] if stop_token else [token]
             if request.grammar is not None:
                 if not request.grammar.accept(token):
                     raise InvalidStructuredOutputError(f"token {token} does not match the grammar")
@@ -72,7 +75,7 @@ class OutputProcessor:
                     reason = FinishReason.STOP  # the grammar accepted its end (an EOS that ignore_eos let through)
             if detok is not None:
                 stops_active = request.num_output_tokens >= request.params.min_tokens
-                matched = detok.add_tokens([token], final=reason is not None, check_stop=stops_active)
+                matched = detok.add_tokens(text_tokens, final=reason is not None, check_stop=stops_active)
                 if matched is not None and reason is None:
                     reason, stop_reason = FinishReason.STOP, matched
             if reason is not None:

@@ -56,6 +56,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_extra: bytes = b""  # prefix-cache namespace bytes (model salt + cache_salt)
     background: bool = False  # background work (a batch's line): steps aside while foreground prompts prefill
+    # params.bad_words as token sequences (the input processor tokenizes them): the sampler masks
+    # a sequence's last token while the output ends with the tokens before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     all_token_ids: list[int] = field(init=False)  # prompt + output, the tokens KV is computed for
     output_token_ids: list[int] = field(default_factory=list)

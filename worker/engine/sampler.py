@@ -1,9 +1,9 @@
 """A small, pure, batched sampler: logits in, one token per row out.
 
-Order per row: the grammar mask (structured outputs) -> penalties -> logit_bias -> min_tokens mask ->
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential
-race (argmax p/E, E ~ Exp(1)), so a seeded request consumes exactly one vector of its own
-generator per token: same seed, same tokens, whatever else is in the batch.
+Order per row: the grammar mask (structured outputs) -> penalties -> logit_bias -> allowed_token_ids ->
+bad_words -> min_tokens mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw.
+Draws use the exponential race (argmax p/E, E ~ Exp(1)), so a seeded request consumes exactly one
+vector of its own generator per token: same seed, same tokens, whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class SamplingRow:
     @property
     def grammar(self) -> GrammarState | None:
         return self.request.grammar
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self.request.bad_words_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -89,6 +93,26 @@ def _mask_min_tokens(logits: torch.Tensor, row: int, request: Row) -> None:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
         if banned:
             logits[row, banned] = float("-inf")
+
+
+def _mask_disallowed(logits: torch.Tensor, row: int, allowed: list[int]) -> None:
+    """Only `allowed` token ids keep their logits (vLLM's allowed_token_ids)."""
+    ids = torch.tensor(allowed, dtype=torch.long)
+    kept = logits[row, ids]
+    logits[row] = float("-inf")
+    logits[row, ids] = kept
+
+
+def _mask_bad_words(logits: torch.Tensor, row: int, request: Row) -> None:
+    """vLLM's bad_words: a word's last token is masked while the output ends with the tokens
+    before it (a one-token word is always masked). Only the output counts, not the prompt."""
+    output = request.output_token_ids
+    banned = [
+        word[-1] for word in request.bad_words_token_ids
+        if len(word) == 1 or (len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1])
+    ]
+    if banned:
+        logits[row, banned] = float("-inf")
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -159,8 +183,8 @@ def _bias(logits: torch.Tensor, row: int, logit_bias: dict[int, float]) -> None:
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> dict[int, str]:
-    """The grammar mask, penalties, logit_bias, then the min_tokens mask, in place: what greedy argmax and
-    sampling both see. Rows without a grammar cost one attribute check for the mask.
+    """The grammar mask, penalties, logit_bias, allowed_token_ids, bad_words, then the min_tokens mask,
+    in place: what greedy argmax and sampling both see. Rows without a grammar cost one attribute check for the mask.
 
     These are the only steps that read one request's own data row by row, so they are where one
     request's bad data could raise: such a row is reported (row -> error) and left as it is, and
@@ -182,6 +206,10 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> dict[int, str]:
                 _penalise(logits, row, request)
             if request.params.logit_bias:
                 _bias(logits, row, request.params.logit_bias)
+            if request.params.allowed_token_ids:
+                _mask_disallowed(logits, row, request.params.allowed_token_ids)
+            if request.bad_words_token_ids:
+                _mask_bad_words(logits, row, request)
             _mask_min_tokens(logits, row, request)
         except Exception as exc:  # any error of one request's data: that request fails alone
             failed[row] = f"{type(exc).__name__}: {exc}"

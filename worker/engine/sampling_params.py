@@ -45,6 +45,12 @@ class SamplingParams:
     ignore_eos: bool = _default("ignore_eos")  # keep generating past the model's EOS token
     min_tokens: int = _default("min_tokens")  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = _default("logprobs")  # return the top-n logprobs (plus the sampled token's) per token
+    allowed_token_ids: list[int] | None = _default("allowed_token_ids")  # only these may be sampled; None: all
+    bad_words: list[str] | None = _default("bad_words")  # words never generated (tokenized by the input processor)
+    include_stop_str_in_output: bool = _default("include_stop_str_in_output")  # the stop string / token's text kept
+    skip_special_tokens: bool = _default("skip_special_tokens")  # special tokens left out of the text
+    spaces_between_special_tokens: bool = _default("spaces_between_special_tokens")  # without skipping: spaced
+    truncate_prompt_tokens: int | None = _default("truncate_prompt_tokens")  # keep the last k prompt tokens
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
     # A grammar the output must match (JSON schema, regex, choice, EBNF); a dict of its fields is accepted too.
@@ -52,12 +58,12 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("stop", "bad_words"):  # a bare string is a list of one
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
+        for name in ("stop", "stop_token_ids", "bad_words", "allowed_token_ids"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         self.validate()
         self.stop_strings = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])

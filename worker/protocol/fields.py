@@ -133,7 +133,7 @@ def sampling_annotation(limit: Limit, nullable: bool | None = None) -> Any:
     non_empty = {"min_length": 1} if limit.kind is str else {}
     scalar: Any = Annotated[limit.kind, Strict(), Field(**finite, **constraints, **non_empty)]
     if limit.items:
-        listed = Annotated[list[scalar], Field(max_length=limit.max_items)]
+        listed = Annotated[list[scalar], Field(min_length=limit.min_items, max_length=limit.max_items)]
         scalar = listed if limit.kind is not str else scalar | listed  # a bare stop string is a list of one
     return scalar | None if (limit.nullable if nullable is None else nullable) else scalar
 

@@ -20,6 +20,8 @@ MAX_TOKENS_LIMIT = 1 << 20  # far beyond any context window; keeps every count a
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more ids than any vocabulary has
+MAX_BAD_WORDS = 64
 TOKEN_ID_MAX = 2**31 - 1  # a token id or count the API accepts before it knows the model's vocabulary
 # logit_bias (OpenAI's): token id -> a bias added to its logit before sampling; -100 all but bans
 # the token, 100 all but forces it. Not a Limit: a map, checked by `logit_bias_problem` and by the
@@ -66,8 +68,9 @@ class Limit:
     le: float | None = None
     lt: float | None = None
     nullable: bool = False  # None is a valid value (e.g. seed: no seed)
-    items: bool = False  # a list of `kind` values (each within the bounds), at most `max_items` long
+    items: bool = False  # a list of `kind` values (each within the bounds), `min_items` to `max_items` long
     max_items: int | None = None
+    min_items: int = 0
     doc: str = ""
 
     def check(self, value: object) -> str | None:
@@ -79,6 +82,8 @@ class Limit:
                 return f"must be a list of {self._range('values')}"
             if self.max_items is not None and len(value) > self.max_items:
                 return f"must hold at most {self.max_items} values"
+            if len(value) < self.min_items:
+                return f"must hold at least {self.min_items} value{'s' if self.min_items > 1 else ''}"
             bad = next((v for v in value if self._scalar_problem(v)), None)
             return None if bad is None else f"must be a list of {self._range('values')} ({bad!r} is not)"
         return f"must be {self.allowed()}" if self._scalar_problem(value) else None
@@ -191,5 +196,19 @@ SAMPLING_LIMITS: tuple[Limit, ...] = (
         nullable=True,
         doc="the top-n logprobs (plus the sampled token's) per token",
     ),
+    # vLLM's extras: what may be sampled, how the text is decoded, how much of the prompt is kept.
+    Limit("allowed_token_ids", int, None, ge=0, le=TOKEN_ID_MAX, nullable=True, items=True, min_items=1,
+          max_items=MAX_ALLOWED_TOKEN_IDS, doc="only these token ids may be sampled"),
+    Limit("bad_words", str, None, nullable=True, items=True, max_items=MAX_BAD_WORDS,
+          doc="words never generated (each tokenized as it starts the text and after a space: the last "
+          "token of a word is masked while the output ends with the tokens before it)"),
+    Limit("include_stop_str_in_output", bool, False,
+          doc="keep the matched stop string (or the stop token's text) at the end of the output"),
+    Limit("skip_special_tokens", bool, True, doc="leave special tokens (EOS, ...) out of the text"),
+    Limit("spaces_between_special_tokens", bool, True,
+          doc="with skip_special_tokens false: a space between a special token and the text around it "
+          "(Hugging Face's slow-tokenizer decode)"),
+    Limit("truncate_prompt_tokens", int, None, ge=1, le=MAX_TOKENS_LIMIT, nullable=True,
+          doc="keep only the last k prompt tokens"),
 )
 LIMITS = {limit.name: limit for limit in SAMPLING_LIMITS}
