@@ -1,0 +1,139 @@
+"""OpenTelemetry traces of every Ferry process, configured by the standard `OTEL_*` variables.
+
+One job is one trace: the API's request span, its enqueue, the worker's queue wait, attempt and
+phases, the webhook relay's hand-off and each delivery attempt. Processes pass the context on as a
+W3C `traceparent` string (in the job record, in a webhook message), so this module is all they
+share of OpenTelemetry.
+
+Tracing is on only where `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` is
+set (and neither `OTEL_SDK_DISABLED=true` nor `OTEL_TRACES_EXPORTER=none`): `tracing_from_env`
+then returns a `Tracing`, else None, and callers skip every span with one `is None` test; no SDK
+is set up. Spans leave through the SDK's batch processor and the OTLP/HTTP exporter: a collector
+that is down costs a full queue of dropped spans, never a job's time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import _KNOWN_SAMPLERS
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = ["Link", "Span", "SpanKind", "Status", "StatusCode", "Tracing", "TracingConfigError", "context_of",
+           "current_ids", "ns", "span_context_of", "traceparent_of", "tracing_from_env"]
+
+log = logging.getLogger("ferry.tracing")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+_SHUTDOWN_WAIT_S = 3.0  # longest a process's exit waits for its last spans (the collector may be down)
+
+
+class TracingConfigError(ValueError):
+    """An `OTEL_*` variable Ferry cannot trace with; the message names it."""
+
+
+class Tracing:
+    """The process's tracer provider (batch processor, OTLP/HTTP exporter) and its tracer."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer: Tracer = provider.get_tracer("ferry")
+
+    def shutdown(self) -> None:
+        """Send what is queued, waiting at most a few seconds (a collector that is down holds no exit)."""
+        closing = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        closing.start()
+        closing.join(_SHUTDOWN_WAIT_S)
+
+
+def tracing_from_env(service_name: str, environ: Mapping[str, str] = os.environ) -> Tracing | None:
+    """The process's tracing as `OTEL_*` configures it, None when off. `service_name` is the
+    default of `OTEL_SERVICE_NAME`. Raises TracingConfigError on a variable it cannot use."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if exporter == "none":
+        return None
+    endpoint_var = next((name for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                         if environ.get(name, "").strip()), None)
+    if endpoint_var is None:
+        return None
+    _check(environ, endpoint_var, exporter)
+    # Imported only when on: the exporter pulls in protobuf and requests.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG), read by the SDK
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint, headers, timeout: OTEL_*
+    log.info("tracing to %s", environ[endpoint_var])
+    return Tracing(provider)
+
+
+def _check(environ: Mapping[str, str], endpoint_var: str, exporter: str) -> None:
+    """The variables the SDK would only warn about (and then trace differently than asked)."""
+    if exporter != "otlp":
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER={exporter!r}: Ferry exports traces with 'otlp' only "
+                                 "(or 'none')")
+    url = urlsplit(environ[endpoint_var].strip())
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise TracingConfigError(f"{endpoint_var}={environ[endpoint_var]!r} is not an http(s):// URL")
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = environ.get(name, "").strip()
+        if protocol and protocol != "http/protobuf":
+            raise TracingConfigError(f"{name}={protocol!r}: Ferry exports OTLP over HTTP ('http/protobuf') only")
+    sampler = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    if sampler not in _KNOWN_SAMPLERS:
+        raise TracingConfigError(f"OTEL_TRACES_SAMPLER={sampler!r} is not one of {sorted(_KNOWN_SAMPLERS)}")
+    if sampler in _RATIO_SAMPLERS and "OTEL_TRACES_SAMPLER_ARG" in environ:
+        arg = environ["OTEL_TRACES_SAMPLER_ARG"]
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a ratio between 0 and 1")
+
+
+def ns(unix_s: float) -> int:
+    """Unix seconds (what job records and `time.time()` hold) as a span's nanoseconds."""
+    return int(unix_s * 1e9)
+
+
+def context_of(traceparent: str | None) -> Context | None:
+    """The context a W3C `traceparent` carries, to start child spans in; None without a valid one."""
+    if not traceparent:
+        return None
+    context = _PROPAGATOR.extract({"traceparent": traceparent})
+    return context if trace.get_current_span(context).get_span_context().is_valid else None
+
+
+def span_context_of(traceparent: str | None) -> SpanContext | None:
+    """The span a `traceparent` names (to link to), None without a valid one."""
+    context = context_of(traceparent)
+    return None if context is None else trace.get_current_span(context).get_span_context()
+
+
+def traceparent_of(span: Span) -> str | None:
+    """`span`'s W3C `traceparent`, how its children in other processes find it; None for an invalid span."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
+    return carrier.get("traceparent")
+
+
+def current_ids() -> tuple[str, str] | None:
+    """(trace id, span id) in hex of the span current in this thread or task, None outside one."""
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return format(context.trace_id, "032x"), format(context.span_id, "016x")
