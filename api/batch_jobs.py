@@ -10,6 +10,7 @@ from ferry.api.errors import ApiError
 from ferry.api.joblist import index_job
 from ferry.api.ratelimit import admit, estimate_tokens
 from ferry.api.services import Services, cancel_job, check_against_model
+from ferry.api.tracing import enqueue_span
 from ferry.worker.protocol import TERMINAL_STATES, enqueue_job_async, new_job_id_for
 from ferry.worker.protocol.codec import text
 
@@ -37,10 +38,12 @@ async def enqueue_line(svc: Services, batch_id: str, raw: dict, line: Line | Exc
     line_key = f"batch:{batch_id}:{line.number}"
     job_id = new_job_id_for(svc.keys, line.job, line_key)
     await index_job(svc.redis, svc.keys, svc.settings, line.job.tenant, job_id)
-    result = await enqueue_job_async(
-        svc.redis, svc.keys, line.job, job_id=job_id, idempotency_key=line_key,
-        idempotency_ttl_s=int(ttl_s) + 86400, batch_line=(batch_id, line.custom_id),
-        reservation=(admission.budget, tokens) if admission.budget else None)
+    # A batch is one trace (its POST's, kept in its hash): each line's enqueue is a span of it.
+    with enqueue_span(svc.tracing, line.job.model, job_id, parent=raw.get("traceparent")) as traceparent:
+        result = await enqueue_job_async(
+            svc.redis, svc.keys, line.job, job_id=job_id, idempotency_key=line_key,
+            idempotency_ttl_s=int(ttl_s) + 86400, batch_line=(batch_id, line.custom_id),
+            reservation=(admission.budget, tokens) if admission.budget else None, traceparent=traceparent)
     return [result.job_id, line.custom_id, raw["endpoint"] == "/v1/chat/completions"]
 
 

@@ -27,18 +27,22 @@ from ferry.api.routes import admin, batches, files, health, jobs, openai, usage
 from ferry.api.services import ApiMetrics, Services
 from ferry.api.settings import ApiSettings
 from ferry.api.streaming import PubSubHub
+from ferry.api.tracing import end_request_span, in_span, start_request_span
 from ferry.worker.common.connect import ReplicationWaiter, connect_async
 from ferry.worker.common.objectstore import open_store
+from ferry.worker.common.tracing import Tracing, tracing_from_env
 from ferry.worker.protocol import Keys
 
 log = logging.getLogger("ferry.api")
 
 
 class RequestMetricsMiddleware:
-    """Pure ASGI (streams pass through untouched): counts answers by route template and status."""
+    """Pure ASGI (streams pass through untouched): counts answers by route template and status and,
+    with tracing on, spans each request from its head to its body's end (`api.tracing`)."""
 
-    def __init__(self, app):
+    def __init__(self, app, tracing: Tracing | None = None):
         self.app = app
+        self.tracing = tracing
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -51,9 +55,13 @@ class RequestMetricsMiddleware:
                 status = message["status"]
             await send(message)
 
+        span = None if self.tracing is None else start_request_span(self.tracing, scope)
         try:
-            await self.app(scope, receive, send_and_note)
+            with in_span(span):
+                await self.app(scope, receive, send_and_note)
         finally:
+            if span is not None:
+                end_request_span(span, scope, status)
             services = getattr(scope["app"].state, "services", None)
             route = scope.get("route")
             if services is not None:
@@ -65,6 +73,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or ApiSettings()
     keyring = KeyRing.parse(settings.api_keys, settings.api_keys_file)
     configured = frozenset(m.strip() for m in (settings.models or "").split(",") if m.strip())
+    tracing = tracing_from_env("ferry-api")  # None unless OTEL_* names an endpoint; a bad variable fails here
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,6 +97,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             configured_models=configured,
             replication=ReplicationWaiter(client, settings.redis_min_replicas, settings.redis_replica_timeout_ms)
             if settings.redis_min_replicas else None,
+            tracing=tracing,
         )
         app.state.services.heartbeats.start()
         app.state.body_checks = BodyChecks(settings.body_check_processes)
@@ -110,6 +120,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             if app.state.services.replication is not None:
                 await app.state.services.replication.aclose()
             await client.aclose()
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(
         title="Ferry",
@@ -123,7 +135,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.http_body_timeout_s, streamed=uploads)
     app.add_middleware(RateLimitHeaders)
-    app.add_middleware(RequestMetricsMiddleware)
+    app.add_middleware(RequestMetricsMiddleware, tracing=tracing)  # outermost: its span covers every other layer
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(files.router)

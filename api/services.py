@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import socket
 import time
@@ -26,13 +27,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
 from ferry.api.auth import KeyRing
-from ferry.api.errors import ApiError, not_found
+from ferry.api.errors import UNSUPPORTED_PARAMETER, ApiError, not_found
 from ferry.api.joblist import index_job
 from ferry.api.settings import ApiSettings
 from ferry.api.streaming import PubSubHub
+from ferry.api.tracing import enqueue_span
 from ferry.api.usage import TenantUsageMetrics
 from ferry.worker.common.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
 from ferry.worker.common.connect import ReplicationWaiter
+from ferry.worker.common.tracing import Tracing
 from ferry.worker.protocol import (
     EnqueueResult,
     JobRecord,
@@ -127,6 +130,7 @@ class Services:
     limits_seen: dict[str, tuple[float, ModelLimits | None]] = field(default_factory=dict)
     redis_started: tuple[float, float] = (float("-inf"), 0.0)  # (monotonic read time, unix start time)
     replication: ReplicationWaiter | None = None  # FERRY_REDIS_MIN_REPLICAS > 0: a 202 waits for the replicas
+    tracing: Tracing | None = None  # OTEL_* names an endpoint: requests and enqueues are spans (api.tracing)
     heartbeats: ModelHeartbeats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -181,6 +185,14 @@ async def resolve_model(svc: Services, name: str | None, field: str = "model") -
 class ModelLimits:
     vocab_size: int
     max_model_len: int
+    template_variables: frozenset[str] | None = None  # what its chat template reads (None: not reported)
+
+
+def _limits(raw: dict) -> ModelLimits:
+    """The model hash's fields (KeyError, ValueError: not a whole hash)."""
+    variables = json.loads(raw.get("chat_template_variables") or "null")
+    return ModelLimits(int(raw["vocab_size"]), int(raw["max_model_len"]),
+                       frozenset(variables) if isinstance(variables, list) else None)
 
 
 async def model_limits(svc: Services, model: str) -> ModelLimits | None:
@@ -190,8 +202,8 @@ async def model_limits(svc: Services, model: str) -> ModelLimits | None:
         return cached[1]
     raw = await svc.redis.hgetall(svc.keys.model_limits(model))
     try:
-        limits = ModelLimits(int(raw["vocab_size"]), int(raw["max_model_len"])) if raw else None
-    except (KeyError, ValueError):
+        limits = _limits(raw) if raw else None
+    except (KeyError, ValueError, TypeError):
         limits = None
     svc.limits_seen[model] = (time.monotonic(), limits)
     return limits
@@ -206,12 +218,18 @@ async def check_against_model(svc: Services, request: JobRequest, prefix: str = 
     checks = [("stop_token_ids", request.stop_token_ids or []), ("logit_bias", list(request.logit_bias or {}))]
     if isinstance(request.prompt, list):
         checks.append(("prompt", request.prompt))
+    checks.append(("allowed_token_ids", request.allowed_token_ids or []))
     for name, ids in checks:
         bad = next((t for t in ids if t >= limits.vocab_size), None)
         if bad is not None:
             field = f"{prefix}{name}"
             message = f"{field}: token id {bad} is beyond the vocabulary of {request.model!r} ({limits.vocab_size} ids)"
             raise ApiError(422, "invalid_request", message, field=field)
+    if request.messages is not None and limits.template_variables is not None:
+        problem = request.template_problem(limits.template_variables)
+        if problem is not None:
+            field = f"{prefix}{problem[0]}"
+            raise ApiError(422, UNSUPPORTED_PARAMETER, f"{field}: {problem[1]}", field=field)
 
 
 def new_job_request(svc: Services, tenant: str, model: str, fields: dict[str, Any], *, loc: tuple[str, ...] = ("body",),
@@ -370,10 +388,11 @@ async def submit(svc: Services, request: JobRequest, idempotency_key: str | None
             took_request = True
         job_id = new_job_id_for(svc.keys, request, idempotency_key)
         await index_job(svc.redis, svc.keys, svc.settings, request.tenant, job_id)  # before the enqueue: api.joblist
-        result = await enqueue_job_async(
-            svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
-            idempotency_ttl_s=svc.settings.idempotency_ttl_s, reservation=reservation,
-        )
+        with enqueue_span(svc.tracing, request.model, job_id) as traceparent:
+            result = await enqueue_job_async(
+                svc.redis, svc.keys, request, job_id=job_id, idempotency_key=idempotency_key,
+                idempotency_ttl_s=svc.settings.idempotency_ttl_s, reservation=reservation, traceparent=traceparent,
+            )
         queued = result.created
     finally:
         if not queued and reservation is not None:

@@ -19,6 +19,7 @@ from ferry.api.errors import ApiError, not_found
 from ferry.api.files import get_record
 from ferry.api.schemas import error_responses
 from ferry.api.services import Services, check_webhook_url, services
+from ferry.api.tracing import current_traceparent
 from ferry.worker.protocol import lua
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -72,6 +73,8 @@ async def create(body: BatchCreate, svc: Svc, tenant_name: Tenant) -> dict[str, 
            "total": "0", "completed": "0", "failed": "0"}
     if body.webhook is not None:
         raw["webhook_url"] = body.webhook.url
+    if (traceparent := current_traceparent(svc.tracing)) is not None:
+        raw["traceparent"] = traceparent  # the batch's trace: its lines' jobs join it (api.batch_jobs)
     await svc.redis.hset(svc.keys.batch(batch_id), mapping=raw)
     await svc.redis.zadd(svc.keys.tenant_batches(tenant_name), {batch_id: now})
     await svc.redis.sadd(svc.keys.active_batches, batch_id)

@@ -13,16 +13,9 @@ import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    Strict,
-    create_model,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_validator, model_validator
 
+from ferry.worker.protocol.chat_template import ChatTemplateFields
 from ferry.worker.protocol.codec import compact_json, decoded
 from ferry.worker.protocol.fields import (
     JobSeconds,
@@ -158,8 +151,9 @@ _JobSampling = create_model(
 )
 
 
-class JobRequest(_JobSampling):
-    """What a client asked for: one prompt (text or token ids) or one chat, plus sampling fields.
+class JobRequest(_JobSampling, ChatTemplateFields):
+    """What a client asked for: one prompt (text or token ids) or one chat, plus sampling fields
+    and, for a chat, the chat template's variables (`worker.protocol.chat_template`).
 
     Field names are OpenAI's; sampling ranges come from `worker.protocol.sampling`, so the API
     answers 422 before enqueueing exactly what the engine would refuse. `logprobs=True` asks for
@@ -377,13 +371,13 @@ class JobRecord(BaseModel):
     custom_id: str | None = None  # that line's custom_id
     rate_budget: str | None = None  # the tenant's rate-limit budget (`live`, `batch`) the tokens were reserved in
     reserved_tokens: int | None = None  # tokens reserved at admission; the difference to the usage is given back
+    traceparent: str | None = None  # W3C context of the span that enqueued it (tracing on): its trace goes on there
 
     @classmethod
-    def new(cls, job_id: str, request: JobRequest, batch_id: str | None = None,
-            custom_id: str | None = None, reservation: tuple[str, int] | None = None) -> JobRecord:
+    def new(cls, job_id: str, request: JobRequest, batch_id: str | None = None, custom_id: str | None = None,
+            reservation: tuple[str, int] | None = None, traceparent: str | None = None) -> JobRecord:
         return cls(
-            batch_id=batch_id,
-            custom_id=custom_id,
+            batch_id=batch_id, custom_id=custom_id, traceparent=traceparent,
             rate_budget=reservation[0] if reservation else None,
             reserved_tokens=reservation[1] if reservation else None,
             id=job_id,

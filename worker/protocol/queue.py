@@ -44,10 +44,12 @@ def new_job_id_for(keys: Keys, request: JobRequest, idempotency_key: str | None)
 
 def _enqueue_call(keys: Keys, request: JobRequest, job_id: str | None, idempotency_key: str | None,
                   idempotency_ttl_s: int, batch_line: tuple[str, str] | None = None,
-                  reservation: tuple[str, int] | None = None) -> tuple[list[str], list[str]]:
+                  reservation: tuple[str, int] | None = None,
+                  traceparent: str | None = None) -> tuple[list[str], list[str]]:
     job_id = job_id or new_job_id_for(keys, request, idempotency_key)
     shard = keys.shard_of(job_id)
-    record = JobRecord.new(job_id, request, *(batch_line or (None, None)), reservation=reservation)
+    record = JobRecord.new(job_id, request, *(batch_line or (None, None)), reservation=reservation,
+                           traceparent=traceparent)
     redis_keys = [keys.job(job_id), keys.queue(request.model, request.priority.value, shard)]
     if idempotency_key is not None:
         if keys.idempotency_shard(request.tenant, idempotency_key) != shard:
@@ -75,11 +77,13 @@ def enqueue_job(client, keys: Keys, request: JobRequest, *, job_id: str | None =
 async def enqueue_job_async(client, keys: Keys, request: JobRequest, *, job_id: str | None = None,
                             idempotency_key: str | None = None, idempotency_ttl_s: int = 86400,
                             batch_line: tuple[str, str] | None = None,
-                            reservation: tuple[str, int] | None = None) -> EnqueueResult:
+                            reservation: tuple[str, int] | None = None,
+                            traceparent: str | None = None) -> EnqueueResult:
     """`enqueue_job` for `redis.asyncio.Redis`; `batch_line` (batch id, custom_id) marks a Batch API line's job;
-    `reservation` (budget, tokens) is what the tenant's rate limit reserved for it (`worker.protocol.usage`)."""
+    `reservation` (budget, tokens) is what the tenant's rate limit reserved for it (`worker.protocol.usage`);
+    `traceparent` is the W3C context the job's trace goes on from (`JobRecord.traceparent`)."""
     redis_keys, args = _enqueue_call(keys, request, job_id, idempotency_key, idempotency_ttl_s, batch_line,
-                                     reservation)
+                                     reservation, traceparent)
     return _enqueue_result(await client.register_script(lua.ENQUEUE)(keys=redis_keys, args=args))
 
 
