@@ -166,6 +166,7 @@ class EngineLoop(Inbox):
         if not job.background:
             self.pacer.live_seen()
         resumed = job.streamed.token_ids
+        run.admitted_at = time.time()
         try:
             params = SamplingParams(**job.request.sampling_kwargs())
             self.engine.add_request(job.job_id, job.prompt_ids, params, priority=job.request.priority.rank,

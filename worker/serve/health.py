@@ -2,7 +2,8 @@
 
 - `/healthz`: 200 while the process serves HTTP at all (liveness).
 - `/readyz`: 200 once the model (and its snapshot) are loaded and until a drain starts; else 503.
-- `/metrics`: the worker's Prometheus registry.
+- `/metrics`: the worker's Prometheus registry; in OpenMetrics when the scraper accepts it (Prometheus
+  does), which is the format that carries the latency histograms' trace-id exemplars.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger("ferry.worker.http")
 
@@ -25,7 +27,8 @@ def serve(host: str, port: int, registry: CollectorRegistry, ready: Callable[[],
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                encode, content_type = choose_encoder(self.headers.get("Accept", ""))
+                self._send(200, encode(registry), content_type)
             elif path == "/healthz":
                 self._json(200, {"status": "ok"})
             elif path == "/readyz":

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ferry.worker.engine import FinishReason, RequestOutput
+from ferry.worker.engine.outputs import RequestMetrics
 from ferry.worker.protocol import (
     CancelledEvent,
     CompletedEvent,
@@ -32,6 +33,7 @@ from ferry.worker.protocol import (
 from ferry.worker.protocol.tools import NamedToolChoice
 from ferry.worker.serve.errors import error_code
 from ferry.worker.serve.job_starts import JobStart
+from ferry.worker.serve.job_trace import AttemptTrace
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.tool_parsers import PARSERS, NamedCall, RequiredCalls, ToolCallParser
 from ferry.worker.serve.writes import Finish, HandBack, Progress, finish
@@ -53,6 +55,8 @@ class JobRun:
     tools: ToolCallParser | None  # a chat that may call tools: reads the calls out of its text
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     pending: list = field(default_factory=list)  # events not handed over yet (a background job's: a few steps')
+    admitted_at: float | None = None  # unix time it entered the engine (None: it did not)
+    engine_metrics: RequestMetrics | None = None  # the engine's times of this attempt, once it ended
 
     @classmethod
     def begin(cls, job: JobStart, tool_call_parser: str) -> JobRun:
@@ -104,7 +108,7 @@ class JobOutput:
         if out.new_token_ids:
             if run.first_token_at is None:
                 run.first_token_at = first_token_at = time.time()
-                self.metrics.ttft.observe(first_token_at - request.created_at)
+                self.metrics.ttft.observe(first_token_at - request.created_at, self._exemplar(run))
             run.token_ids += out.new_token_ids
             run.text.append(out.new_text)
             run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
@@ -125,6 +129,7 @@ class JobOutput:
         return Progress(run.job_id, events, first_token_at, background=run.start.background)
 
     def _finished(self, run: JobRun, out: RequestOutput) -> Finish:
+        run.engine_metrics = out.metrics
         if run.tools is not None:
             rest = run.tools.finish()
             if rest:
@@ -153,7 +158,7 @@ class JobOutput:
 
     def end(self, run: JobRun, event: TerminalEvent) -> Finish:
         """The write that ends `run` with `event`, its pending events first and its result with it."""
-        self.metrics.e2e.observe(event.ts - run.start.request.created_at)
+        self.metrics.e2e.observe(event.ts - run.start.request.created_at, self._exemplar(run))
         output = {"text": "".join(run.text), "token_ids": run.token_ids, "usage": usage(run),
                   "timings": timings(run, event.ts)}
         if isinstance(event, CompletedEvent):
@@ -161,8 +166,17 @@ class JobOutput:
             if run.tools is not None:
                 output |= {"content": run.tools.content, "tool_calls": run.tools.calls}
         events, run.pending = run.pending, []
-        return finish(run.job_id, run.start.delivery, event, self.worker_id, output, events_before=events,
-                      background=run.start.background)
+        write = finish(run.job_id, run.start.delivery, event, self.worker_id, output, events_before=events,
+                       background=run.start.background)
+        if run.start.span is not None:
+            write.trace = attempt_trace(run, write.state, event.ts, output.get("finish_reason"))
+        return write
+
+    @staticmethod
+    def _exemplar(run: JobRun) -> dict[str, str] | None:
+        """A traced job's trace id, a latency's exemplar (OpenMetrics): a slow bucket links to its trace."""
+        span = run.start.span
+        return None if span is None else {"trace_id": format(span.get_span_context().trace_id, "032x")}
 
     @staticmethod
     def hand_back(run: JobRun) -> HandBack:
@@ -170,6 +184,24 @@ class JobOutput:
         against max_attempts: the worker left, the job did not fail."""
         events, run.pending = run.pending, []
         return HandBack(run.job_id, run.start.delivery, events, attempts=run.start.attempts - 1)
+
+
+def attempt_trace(run: JobRun, state: str, finished_at: float, finish_reason: str | None) -> AttemptTrace:
+    """`run`'s attempt for its spans (`worker.serve.job_trace`): the engine's monotonic times
+    become unix times through the moment it entered the engine."""
+    start, metrics = run.start, run.engine_metrics
+
+    def unix(monotonic: float | None) -> float | None:
+        if monotonic is None or metrics is None or run.admitted_at is None:
+            return None
+        return run.admitted_at + (monotonic - metrics.arrival_time)
+
+    return AttemptTrace(
+        span=start.span, job_id=run.job_id, ready_at=start.ready_at, admitted_at=run.admitted_at,
+        first_scheduled_at=unix(metrics.first_scheduled_time) if metrics else None,
+        first_token_at=unix(metrics.first_token_time) if metrics else None, finished_at=finished_at, state=state,
+        prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens, output_tokens=len(run.token_ids),
+        steps=len(metrics.token_times) if metrics else 0, finish_reason=finish_reason)
 
 
 def usage(run: JobRun) -> Usage:

@@ -38,6 +38,7 @@ from ferry.worker.protocol import (
     lua,
 )
 from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
+from ferry.worker.serve.job_trace import JobTracer, Span
 from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.settings import WorkerSettings
 from ferry.worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
@@ -67,6 +68,10 @@ class JobStart:
     first_token_at: float | None  # unix time of its first token, if an earlier attempt had one
     deadline: float  # unix time its execution timeout runs out
     streamed: Streamed  # what earlier attempts already streamed
+    traceparent: str | None = None  # the job record's W3C trace context (`worker.serve.job_trace`)
+    picked_at: float = 0.0  # unix time this worker read its queue entry
+    ready_at: float = 0.0  # unix time it was started and its prompt rendered: handed to the engine
+    span: Span | None = None  # tracing on: this attempt's span, open until the job's end is written
 
     @property
     def background(self) -> bool:
@@ -92,12 +97,15 @@ class _Decided:
     first_token_at: float | None
     deadline: float
     streamed: Streamed
+    traceparent: str | None
+    picked_at: float
 
 
 class JobStarter:
     def __init__(self, client: redis.Redis, keys: Keys, settings: WorkerSettings, worker_id: str,
-                 renderer: PromptRenderer) -> None:
+                 renderer: PromptRenderer, tracer: JobTracer | None = None) -> None:
         self.client = client
+        self.tracer = tracer  # tracing on: a started job's queue wait and intake become spans
         self.keys = keys
         self.settings = settings
         self.worker_id = worker_id
@@ -185,7 +193,7 @@ class JobStarter:
         )
         first_token_at = float(job["first_token_at"]) if "first_token_at" in job else None
         return _Decided(c, request, attempts + 1, started_at or now, first_token_at, (started_at or now) + timeout,
-                        streamed)
+                        streamed, job.get("traceparent"), now)
 
     def _start_all(self, decided: list[_Decided], writes: list[JobWrite]) -> tuple[list[JobStart], list[JobWrite]]:
         """Start the decided jobs (one script each, one round trip), then render their prompts."""
@@ -227,8 +235,21 @@ class JobStarter:
             log.warning("job failed", extra={"job_id": c.job_id, "code": ErrorCode.INVALID_PROMPT, "error": str(exc)})
             event = FailedEvent(seq=job.streamed.next_seq, code=ErrorCode.INVALID_PROMPT, message=str(exc))
             return finish(c.job_id, c.delivery, event, self.worker_id)
-        return JobStart(c.job_id, c.delivery, job.request, prompt_ids, job.attempts, job.started_at, job.first_token_at,
-                        job.deadline, job.streamed)
+        start = JobStart(c.job_id, c.delivery, job.request, prompt_ids, job.attempts, job.started_at,
+                         job.first_token_at, job.deadline, job.streamed, job.traceparent, job.picked_at, time.time())
+        if self.tracer is not None:
+            self._trace(start, job.request.created_at)
+        return start
+
+    def _trace(self, start: JobStart, created_at: float) -> None:
+        """Open the started job's attempt span; a failure to is logged, never the job's."""
+        operation = "chat" if start.request.messages is not None else "text_completion"
+        try:
+            start.span = self.tracer.started(start.job_id, start.traceparent, start.attempts, operation, created_at,
+                                             start.started_at, start.picked_at, start.ready_at,
+                                             len(start.streamed.token_ids))
+        except Exception:  # the SDK, or a malformed context in the record
+            log.exception("job spans not made", extra={"job_id": start.job_id})
 
     def _dead_letter(self, seq: int | None, d: Delivery, code: str, message: str, attempts: int,
                      job_id: str | None = None) -> Finish | Discard:

@@ -22,10 +22,12 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
 from ferry.worker.common.connect import UNAVAILABLE, connect
+from ferry.worker.common.tracing import TracingConfigError, tracing_from_env
 from ferry.worker.engine import RankFailedError
 from ferry.worker.protocol import Keys
 from ferry.worker.serve import jsonlog, startup
@@ -33,6 +35,7 @@ from ferry.worker.serve.components import CancelListener, Component, Heartbeat
 from ferry.worker.serve.health import serve
 from ferry.worker.serve.intake import Intake
 from ferry.worker.serve.job_starts import JobStarter
+from ferry.worker.serve.job_trace import JobTracer
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.publisher import Publisher, PublisherThread
 from ferry.worker.serve.retry import RetryAbandoned, call_with_backoff
@@ -63,8 +66,10 @@ class Worker:
         self.publisher = Publisher(self.client, self.keys, settings.served_model_name, self.worker_id,
                                    settings.result_ttl_s, settings.redis_min_replicas,
                                    settings.redis_replica_timeout_ms)
+        self.tracing = tracing_from_env("ferry-worker")  # None unless OTEL_* names an endpoint
+        self.tracer = JobTracer(self.tracing, settings.served_model_name, self.worker_id) if self.tracing else None
         self.publisher_thread = PublisherThread(self.publisher, self._on_written, self.stop,
-                                                settings.redis_backoff_max_s)
+                                                settings.redis_backoff_max_s, self.tracer)
         self.served: startup.Served | None = None  # once loaded
         self.intake: Intake | None = None  # once loaded
         self.components: list[Component] = []  # started once ready, stopped last first
@@ -103,11 +108,13 @@ class Worker:
             http.shutdown()
             if self.served is not None:
                 self.served.engine.close()  # stops tensor-parallel ranks
+            if self.tracing is not None:
+                self.tracing.shutdown()
 
     def _start(self) -> None:
         """Wire the intake and the side components to the loaded engine, start every thread, turn ready."""
         served, s = self.served, self.settings
-        starter = JobStarter(self.client, self.keys, s, self.worker_id, served.renderer)
+        starter = JobStarter(self.client, self.keys, s, self.worker_id, served.renderer, self.tracer)
         self.intake = intake = Intake(self.client, self.keys, s, self.worker_id, starter, served.loop, self.publisher,
                                       self.metrics, self.draining)
         call_with_backoff(intake.reader.ensure_groups, what="ensure groups", stop=self.draining,
@@ -224,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     given = {k: v for k, v in args.items() if v is not None}
     engine = {k: given.pop(k) for k in ("model", "dtype", "max_num_seqs") if k in given}
     settings = WorkerSettings(**given, **({"engine": engine} if engine else {}))
-    worker = Worker(settings)
+    try:
+        worker = Worker(settings)
+    except TracingConfigError as exc:
+        print(f"ferry worker: {exc}", file=sys.stderr)
+        return 2
     jsonlog.configure(worker.worker_id, logging.getLevelName(settings.log_level))
     return worker.run()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -28,6 +29,7 @@ from ferry.worker.common.connect import UNAVAILABLE
 from ferry.worker.protocol import Envelope, JobState, Keys, Priority, event_to_fields, lua
 from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
 from ferry.worker.protocol.usage import account_jobs
+from ferry.worker.serve.job_trace import JobTracer
 from ferry.worker.serve.replication_check import ReplicationCheck
 from ferry.worker.serve.retry import RetryAbandoned, call_with_backoff
 from ferry.worker.serve.writes import Delivery, Discard, Finish, HandBack, JobWrite, Lost, Progress
@@ -125,8 +127,9 @@ class PublisherThread:
     """Drains the engine's writes into Redis: everything queued goes out in one round trip."""
 
     def __init__(self, publisher: Publisher, on_written: Callable[[list[JobWrite], dict[str, Lost]], None],
-                 stop: threading.Event, max_delay_s: float) -> None:
+                 stop: threading.Event, max_delay_s: float, tracer: JobTracer | None = None) -> None:
         self.publisher = publisher
+        self.tracer = tracer  # tracing on: ended jobs' spans, made here once their end is written
         self.on_written = on_written
         self.stop = stop
         self.max_delay_s = max_delay_s
@@ -167,6 +170,7 @@ class PublisherThread:
             background = [w for w in batch if getattr(w, "job_id", None) in background_jobs]
             foreground = [w for w in batch if getattr(w, "job_id", None) not in background_jobs]
             lost: dict[str, Lost] = {}
+            published_at = time.time()
             try:
                 for part in (foreground, background):
                     if part:
@@ -175,6 +179,17 @@ class PublisherThread:
             except RetryAbandoned:
                 return
             self.on_written(batch, lost)
+            if self.tracer is not None:
+                self._trace(batch, lost, published_at, time.time())
             with self._done:
                 self._unwritten -= taken
                 self._done.notify_all()
+
+    def _trace(self, batch: list[JobWrite], lost: dict[str, Lost], published_at: float, written_at: float) -> None:
+        """Spans of the jobs this round trip ended; a failure to make them is logged, never a job's."""
+        for w in batch:
+            if isinstance(w, Finish) and w.trace is not None and w.job_id not in lost:
+                try:
+                    self.tracer.ended(w.trace, published_at, written_at)
+                except Exception:  # the SDK or a malformed context: the job stands, its spans do not
+                    log.exception("job spans not made", extra={"job_id": w.job_id})

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ferry.worker.protocol import STATE_AFTER_EVENT, FailedEvent, JobResult, TimedOutEvent
+from ferry.worker.serve.job_trace import AttemptTrace
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class Finish:
     result: dict[str, str]  # job hash fields: state, finished_at, the result or the error
     dead_letter: dict[str, str] | None = None  # an entry for {p}:dlq
     background: bool = False  # a background-lane job's: written after the others of its round trip
+    trace: AttemptTrace | None = None  # tracing on: the attempt's times, made spans once this is written
 
     @property
     def state(self) -> str:
