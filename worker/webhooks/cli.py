@@ -11,6 +11,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from ferry.worker.common.tracing import TracingConfigError, tracing_from_env
 from ferry.worker.protocol import Keys
 from ferry.worker.webhooks.delivery import Attempt, WebhookMessage
 from ferry.worker.webhooks.relay import Relay
@@ -35,9 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     secret_key(settings.webhook_secret)
     if settings.webhook_allow_private:
         log.warning("FERRY_WEBHOOK_ALLOW_PRIVATE is on: webhooks may reach private and loopback addresses")
+    try:
+        tracing = tracing_from_env("ferry-webhooks")  # None unless OTEL_* names an endpoint
+    except TracingConfigError as exc:
+        log.error("%s", exc)
+        return 2
     registry = CollectorRegistry()
     outcomes = Counter("ferry_webhook_deliveries", "Settled webhook deliveries", ["outcome"], registry=registry)
-    relay = Relay(settings)
+    relay = Relay(settings, tracing=tracing)
     registry.register(_HandoffFailures(relay))
     if settings.webhook_metrics_port:
         start_http_server(settings.webhook_metrics_port, addr=settings.webhook_metrics_host, registry=registry)
@@ -47,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         relay.record(message, attempt, attempts)
 
     try:
-        app = make_celery(settings, on_final)
+        app = make_celery(settings, on_final, tracing)
     except ValueError as exc:  # a broker setting the broker cannot honour
         log.error("%s", exc)
         return 2
@@ -76,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         stop.set()
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

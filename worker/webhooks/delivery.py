@@ -103,6 +103,7 @@ class WebhookMessage:
     url: str
     body: str  # JSON text, signed as bytes (utf-8)
     tenant: str = ""  # whose job or batch: its own webhook secrets sign, if its key configuration has any
+    traceparent: str = ""  # W3C context of the relay's hand-off span (tracing on): each attempt is its child
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +211,11 @@ def _post_status(target: Target, headers: dict[str, str], body: bytes, deadline:
 
 
 def attempt_delivery(delivery: WebhookMessage, secrets: Sequence[str], *, allow_private: bool,
-                     timeout_s: float) -> Attempt:
+                     timeout_s: float, traceparent: str | None = None) -> Attempt:
     """POST the message once, signed with every secret in `secrets` (space-separated signatures:
     during a rotation a receiver holding either secret verifies it), within `timeout_s` of wall-clock
-    time from resolving the host to the answer's last header."""
+    time from resolving the host to the answer's last header. `traceparent`: the attempt's span, sent
+    to the receiver (W3C trace context) so its own spans can join the job's trace."""
     deadline = time.monotonic() + timeout_s
     body = delivery.body.encode()
     try:
@@ -228,6 +230,8 @@ def attempt_delivery(delivery: WebhookMessage, secrets: Sequence[str], *, allow_
             "webhook-timestamp": str(timestamp),
             "webhook-signature": " ".join(sign(secret, delivery.webhook_id, timestamp, body) for secret in secrets),
         }
+        if traceparent:
+            headers["traceparent"] = traceparent
         code = _post_status(target, headers, body, deadline)
     except RefusedUrl as exc:
         return Attempt("refused", None, str(exc))

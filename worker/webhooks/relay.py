@@ -29,12 +29,14 @@ import redis
 from kombu.exceptions import OperationalError
 
 from ferry.worker.common.connect import connect
+from ferry.worker.common.tracing import Tracing
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, WEBHOOK_EVENT_FOR, JobRecord, JobState, Keys, UnreadableRecord
 from ferry.worker.protocol.codec import decoded
 from ferry.worker.protocol.keys import parse_watch_value, watch_value
 from ferry.worker.webhooks.delivery import Attempt, WebhookMessage
 from ferry.worker.webhooks.settings import WebhookSettings
 from ferry.worker.webhooks.tasks import enqueue
+from ferry.worker.webhooks.tracing import handoff_span
 
 log = logging.getLogger("ferry.webhooks.relay")
 
@@ -80,9 +82,11 @@ def _event_type_and_time(fields: dict) -> tuple[str, float]:
 class Relay:
     """Follows watched jobs' event streams; `app` (the Celery app) is set before `run`."""
 
-    def __init__(self, settings: WebhookSettings, app=None, client: redis.Redis | None = None):
+    def __init__(self, settings: WebhookSettings, app=None, client: redis.Redis | None = None,
+                 tracing: Tracing | None = None):
         self.settings = settings
         self.app = app
+        self.tracing = tracing  # tracing on: a hand-off is a span of its job's trace
         self.keys = Keys(settings.key_prefix, settings.queue_shards)
         self.redis = client or connect(settings.redis_url, cluster=settings.redis_cluster, decode_responses=True,
                                        socket_connect_timeout=2.0, socket_timeout=RELAY_BLOCK_S + 2.0)
@@ -193,8 +197,9 @@ class Relay:
             return
         body = json.dumps(job_payload(name, record, ts), separators=(",", ":"))
         # The id names the (job, event) pair, so it is the same on every retry and every relay.
-        enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url, body,
-                                         record.tenant))
+        with handoff_span(self.tracing, record.traceparent, job_id, name, self.keys.webhook_queue) as traceparent:
+            enqueue(self.app, WebhookMessage(f"msg_{job_id}_{name.removeprefix('job.')}", job_id, name, webhook.url,
+                                             body, record.tenant, traceparent))
         self.redis.set(sent, "1", ex=self.settings.result_ttl_s)
 
     def _drain_outbox(self) -> bool:

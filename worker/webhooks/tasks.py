@@ -29,9 +29,11 @@ from celery import Celery
 from kombu.transport.SQS import CHARS_REPLACE_TABLE
 
 from ferry.worker.common.key_source import KeySource
+from ferry.worker.common.tracing import Tracing
 from ferry.worker.protocol import Keys
 from ferry.worker.webhooks.delivery import WebhookMessage, attempt_delivery, backoff_s
 from ferry.worker.webhooks.settings import WebhookSettings
+from ferry.worker.webhooks.tracing import delivery_span, set_answer
 
 log = logging.getLogger("ferry.webhooks")
 
@@ -105,7 +107,7 @@ class TenantSlots:
                 self._in_flight[tenant] = held
 
 
-def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
+def make_celery(settings: WebhookSettings, on_final=None, tracing: Tracing | None = None) -> Celery:
     """A Celery app on its broker (`FERRY_CELERY_BROKER_URL`, default the job Redis): on Redis its keys
     live under `<prefix>:celery:`; on SQS (`sqs://`) its one queue is `FERRY_CELERY_SQS_QUEUE_URL`.
     A hand-off to a broker that does not answer fails within seconds (the relay retries it) instead
@@ -113,7 +115,8 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
 
     `on_final(message, attempt, attempts)` is called once per message when it is settled
     (delivered, refused, rejected, gone, or out of attempts). Attempts of one tenant are limited
-    per process (the module's docstring).
+    per process (the module's docstring). With `tracing`, each attempt is a span of the job's
+    trace (`worker.webhooks.tracing`).
     """
     keys = Keys(settings.key_prefix)
     tenants = KeySource(settings.api_keys, settings.api_keys_file)  # re-read when the key file changes
@@ -150,12 +153,15 @@ def make_celery(settings: WebhookSettings, on_final=None) -> Celery:
                 countdown=backoff_s(deferrals + 1, settings.webhook_retry_base_s, settings.webhook_retry_max_s),
             )
         try:
-            result = attempt_delivery(
-                d,
-                tenants.current().tenant(d.tenant).webhook_secrets or [settings.webhook_secret],
-                allow_private=settings.webhook_allow_private,
-                timeout_s=settings.webhook_timeout_s,
-            )
+            with delivery_span(tracing, d.traceparent, d.url, d.job_id, d.event, number) as (span, traceparent):
+                result = attempt_delivery(
+                    d,
+                    tenants.current().tenant(d.tenant).webhook_secrets or [settings.webhook_secret],
+                    allow_private=settings.webhook_allow_private,
+                    timeout_s=settings.webhook_timeout_s,
+                    traceparent=traceparent,
+                )
+                set_answer(span, result.status_code, result.outcome, result.detail)
         finally:
             slots.give_back(d.tenant)
         log.info("webhook %s %s -> %s attempt %d: %s", d.event, d.job_id, d.url, number, result.detail)
