@@ -25,7 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import _KNOWN_SAMPLERS
+from opentelemetry.sdk.trace.sampling import _KNOWN_SAMPLERS, Sampler
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -69,19 +69,24 @@ def tracing_from_env(service_name: str, environ: Mapping[str, str] = os.environ)
                          if environ.get(name, "").strip()), None)
     if endpoint_var is None:
         return None
-    _check(environ, endpoint_var, exporter)
+    sampler = _check(environ, endpoint_var, exporter)
     # Imported only when on: the exporter pulls in protobuf and requests.
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
+    endpoint = environ[endpoint_var].strip()
+    if endpoint_var == "OTEL_EXPORTER_OTLP_ENDPOINT":  # the base URL of every signal (the spec's rule)
+        endpoint = endpoint.rstrip("/") + "/v1/traces"
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or service_name})
-    provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG), read by the SDK
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint, headers, timeout: OTEL_*
-    log.info("tracing to %s", environ[endpoint_var])
+    provider = TracerProvider(resource=resource, sampler=sampler)
+    # Headers, timeout, compression, certificates and the batch processor's limits: the SDK reads OTEL_*.
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    log.info("tracing to %s", endpoint)
     return Tracing(provider)
 
 
-def _check(environ: Mapping[str, str], endpoint_var: str, exporter: str) -> None:
-    """The variables the SDK would only warn about (and then trace differently than asked)."""
+def _check(environ: Mapping[str, str], endpoint_var: str, exporter: str) -> Sampler:
+    """The sampler the variables ask for, after checking those the SDK would only warn about (and
+    then trace differently than asked)."""
     if exporter != "otlp":
         raise TracingConfigError(f"OTEL_TRACES_EXPORTER={exporter!r}: Ferry exports traces with 'otlp' only "
                                  "(or 'none')")
@@ -95,14 +100,16 @@ def _check(environ: Mapping[str, str], endpoint_var: str, exporter: str) -> None
     sampler = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
     if sampler not in _KNOWN_SAMPLERS:
         raise TracingConfigError(f"OTEL_TRACES_SAMPLER={sampler!r} is not one of {sorted(_KNOWN_SAMPLERS)}")
-    if sampler in _RATIO_SAMPLERS and "OTEL_TRACES_SAMPLER_ARG" in environ:
-        arg = environ["OTEL_TRACES_SAMPLER_ARG"]
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = -1.0
-        if not 0.0 <= ratio <= 1.0:
-            raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a ratio between 0 and 1")
+    if sampler not in _RATIO_SAMPLERS:
+        return _KNOWN_SAMPLERS[sampler]
+    arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+    try:
+        ratio = float(arg)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not a ratio between 0 and 1")
+    return _KNOWN_SAMPLERS[sampler](ratio)
 
 
 def ns(unix_s: float) -> int:

@@ -168,15 +168,16 @@ class JobOutput:
         events, run.pending = run.pending, []
         write = finish(run.job_id, run.start.delivery, event, self.worker_id, output, events_before=events,
                        background=run.start.background)
-        if run.start.span is not None:
+        if run.start.traced:
             write.trace = attempt_trace(run, write.state, event.ts, output.get("finish_reason"))
         return write
 
     @staticmethod
     def _exemplar(run: JobRun) -> dict[str, str] | None:
-        """A traced job's trace id, a latency's exemplar (OpenMetrics): a slow bucket links to its trace."""
-        span = run.start.span
-        return None if span is None else {"trace_id": format(span.get_span_context().trace_id, "032x")}
+        """A traced job's trace id (from its record's W3C `traceparent`, "00-<trace id>-..."), a latency's
+        exemplar (OpenMetrics): a slow bucket links to its trace."""
+        traceparent = run.start.traceparent
+        return {"trace_id": traceparent[3:35]} if run.start.traced and traceparent else None
 
     @staticmethod
     def hand_back(run: JobRun) -> HandBack:
@@ -197,7 +198,7 @@ def attempt_trace(run: JobRun, state: str, finished_at: float, finish_reason: st
         return run.admitted_at + (monotonic - metrics.arrival_time)
 
     return AttemptTrace(
-        span=start.span, job_id=run.job_id, ready_at=start.ready_at, admitted_at=run.admitted_at,
+        job_id=run.job_id, ready_at=start.ready_at, admitted_at=run.admitted_at,
         first_scheduled_at=unix(metrics.first_scheduled_time) if metrics else None,
         first_token_at=unix(metrics.first_token_time) if metrics else None, finished_at=finished_at, state=state,
         prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens, output_tokens=len(run.token_ids),

@@ -38,7 +38,7 @@ from ferry.worker.protocol import (
     lua,
 )
 from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
-from ferry.worker.serve.job_trace import JobTracer, Span
+from ferry.worker.serve.job_trace import AttemptStart, JobTracer
 from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.settings import WorkerSettings
 from ferry.worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
@@ -71,7 +71,7 @@ class JobStart:
     traceparent: str | None = None  # the job record's W3C trace context (`worker.serve.job_trace`)
     picked_at: float = 0.0  # unix time this worker read its queue entry
     ready_at: float = 0.0  # unix time it was started and its prompt rendered: handed to the engine
-    span: Span | None = None  # tracing on: this attempt's span, open until the job's end is written
+    traced: bool = False  # tracing on: its end carries its times for spans (`worker.serve.job_trace`)
 
     @property
     def background(self) -> bool:
@@ -238,18 +238,12 @@ class JobStarter:
         start = JobStart(c.job_id, c.delivery, job.request, prompt_ids, job.attempts, job.started_at,
                          job.first_token_at, job.deadline, job.streamed, job.traceparent, job.picked_at, time.time())
         if self.tracer is not None:
-            self._trace(start, job.request.created_at)
+            start.traced = True
+            operation = "chat" if job.request.messages is not None else "text_completion"
+            self.tracer.started(AttemptStart(c.job_id, job.traceparent, job.attempts, operation,
+                                             job.request.created_at, job.started_at, job.picked_at, start.ready_at,
+                                             len(job.streamed.token_ids)))
         return start
-
-    def _trace(self, start: JobStart, created_at: float) -> None:
-        """Open the started job's attempt span; a failure to is logged, never the job's."""
-        operation = "chat" if start.request.messages is not None else "text_completion"
-        try:
-            start.span = self.tracer.started(start.job_id, start.traceparent, start.attempts, operation, created_at,
-                                             start.started_at, start.picked_at, start.ready_at,
-                                             len(start.streamed.token_ids))
-        except Exception:  # the SDK, or a malformed context in the record
-            log.exception("job spans not made", extra={"job_id": start.job_id})
 
     def _dead_letter(self, seq: int | None, d: Delivery, code: str, message: str, attempts: int,
                      job_id: str | None = None) -> Finish | Discard:

@@ -1,12 +1,11 @@
 """A job's attempt on this worker as spans of the job's trace, made from timestamps it already has.
 
-The engine thread is the latency-critical one, so it makes no span. The intake opens an attempt's
-span once the job started (its start and the intake's times are known then) and the job carries
-it; at the job's end the engine thread copies the times and counts it already has into an
-`AttemptTrace` (a few fields) that rides on the job's `Finish`; once the publisher has written it,
-`JobTracer.ended` adds the phases and ends the attempt, on the publisher's thread. Every span gets
-explicit start and end times. Under the API's enqueue span (the job record's `traceparent`; a job
-without one starts a trace of its own):
+No thread a job waits on makes a span. The intake, once a job started, hands `started` its times
+(an `AttemptStart`: the record's, the pick's, the hand-over's); the engine thread, at the job's
+end, copies the times and counts it already has into an `AttemptTrace` that rides on the job's
+`Finish`, and the publisher hands it over once written. `JobTracer`'s own thread turns both into
+spans with explicit start and end times. Under the API's enqueue span (the job record's
+`traceparent`; a job without one starts a trace of its own):
 
     queue wait        created_at -> started_at, from the job record (sent at the first start:
                       it survives a worker that dies with the job)
@@ -25,6 +24,9 @@ are under `ferry.`.
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -41,14 +43,31 @@ from ferry.worker.common.tracing import (
     span_context_of,
 )
 
+log = logging.getLogger("ferry.worker.tracing")
+
 MESSAGING_SYSTEM = "redis"
+MAX_OPEN_ATTEMPTS = 100_000  # attempts whose end was never seen (lost to another worker) are dropped past this
+
+
+@dataclass(slots=True)
+class AttemptStart:
+    """A job this worker started: what its first spans need (unix seconds)."""
+
+    job_id: str
+    traceparent: str | None  # the job record's: the API's enqueue span
+    attempt: int  # deliveries that started running, this one included
+    operation: str  # gen_ai.operation.name: "chat" or "text_completion"
+    created_at: float  # the API accepted the job
+    started_at: float  # it first started (on any worker): the end of its queue wait
+    picked_at: float  # this worker read its queue entry
+    ready_at: float  # started and rendered: handed to the engine
+    resumed_tokens: int  # tokens earlier attempts streamed
 
 
 @dataclass(slots=True)
 class AttemptTrace:
-    """One attempt's end: its open span and the times (unix seconds) and counts the engine thread had."""
+    """One attempt's end: the times (unix seconds) and counts the engine thread had."""
 
-    span: Span  # the attempt's, opened by `JobTracer.started`
     job_id: str
     ready_at: float  # started and rendered: handed to the engine
     admitted_at: float | None  # entered the engine (None: it never did)
@@ -63,41 +82,83 @@ class AttemptTrace:
     finish_reason: str | None = None
 
 
+@dataclass(slots=True)
+class _Ended:
+    job: AttemptTrace
+    published_at: float  # its terminal write's round trip
+    written_at: float
+
+
 class JobTracer:
-    """Makes the spans of attempts on one worker (serving `model` as `worker_id`)."""
+    """Makes the spans of attempts on one worker (serving `model` as `worker_id`), on a thread of its own."""
 
     def __init__(self, tracing: Tracing, model: str, worker_id: str) -> None:
         self.tracer = tracing.tracer
         self.model = model
         self.worker_id = worker_id
+        self._inbox: queue.SimpleQueue[AttemptStart | _Ended | str | None] = queue.SimpleQueue()
+        self._open: dict[str, Span] = {}  # job id -> its attempt's span, until the attempt ends here
+        self.thread = threading.Thread(target=self._run, name="tracing", daemon=True)
+        self.thread.start()
 
-    def started(self, job_id: str, traceparent: str | None, attempt: int, operation: str, created_at: float,
-                started_at: float, picked_at: float, ready_at: float, resumed_tokens: int) -> Span:
-        """A job this worker started: its queue wait (first attempt), its intake, and its attempt's
-        span, open (`ended` ends it). `operation`: gen_ai.operation.name, "chat" or "text_completion"."""
-        parent = context_of(traceparent)
-        common = {"ferry.job.id": job_id, "messaging.destination.name": self.model}
-        if attempt == 1:
-            self._span("queue wait", parent, created_at, started_at, common)
+    def started(self, job: AttemptStart) -> None:
+        """Its queue wait (first attempt), its intake and its attempt's span, open until `ended`."""
+        self._inbox.put(job)
+
+    def ended(self, job: AttemptTrace, published_at: float, written_at: float) -> None:
+        """Its phases and its attempt's end."""
+        self._inbox.put(_Ended(job, published_at, written_at))
+
+    def forget(self, job_id: str) -> None:
+        """The job left this worker without an end (handed back, or lost to another worker)."""
+        self._inbox.put(job_id)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Make the spans handed over so far (the process is about to flush and exit)."""
+        self._inbox.put(None)
+        self.thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (item := self._inbox.get()) is not None:
+            try:
+                if isinstance(item, AttemptStart):
+                    self._started(item)
+                elif isinstance(item, _Ended):
+                    self._ended(item)
+                else:
+                    self._open.pop(item, None)
+            except Exception:  # the SDK, or a malformed context in a record: the job stands, its spans do not
+                log.exception("job spans not made")
+
+    def _started(self, job: AttemptStart) -> None:
+        parent = context_of(job.traceparent)
+        common = {"ferry.job.id": job.job_id, "messaging.destination.name": self.model}
+        if job.attempt == 1:
+            self._span("queue wait", parent, job.created_at, job.started_at, common)
         attributes = common | {
             "messaging.system": MESSAGING_SYSTEM, "messaging.operation.type": "process",
-            "messaging.message.id": job_id, "ferry.job.attempt": attempt, "ferry.worker.id": self.worker_id,
-            "gen_ai.operation.name": operation, "gen_ai.request.model": self.model,
+            "messaging.message.id": job.job_id, "ferry.job.attempt": job.attempt, "ferry.worker.id": self.worker_id,
+            "gen_ai.operation.name": job.operation, "gen_ai.request.model": self.model,
         }
         links = []
-        if attempt > 1:
-            attributes |= {"ferry.job.resumed": True, "ferry.job.resumed_tokens": resumed_tokens}
-            enqueued = span_context_of(traceparent)
+        if job.attempt > 1:
+            attributes |= {"ferry.job.resumed": True, "ferry.job.resumed_tokens": job.resumed_tokens}
+            enqueued = span_context_of(job.traceparent)
             if enqueued is not None:
                 links.append(Link(enqueued, {"ferry.link": "resumed after an earlier attempt"}))
         span = self.tracer.start_span(f"process {self.model}", context=parent, kind=SpanKind.CONSUMER,
-                                      attributes=attributes, links=links, start_time=ns(picked_at))
-        self._span("intake", trace.set_span_in_context(span), picked_at, ready_at, common)
-        return span
+                                      attributes=attributes, links=links, start_time=ns(job.picked_at))
+        self._span("intake", trace.set_span_in_context(span), job.picked_at, job.ready_at, common)
+        if len(self._open) >= MAX_OPEN_ATTEMPTS:
+            self._open.pop(next(iter(self._open)))
+        self._open[job.job_id] = span
 
-    def ended(self, job: AttemptTrace, published_at: float, written_at: float) -> None:
-        """The attempt's phases and its end; `published_at` -> `written_at`: its terminal write's round trip."""
-        attempt, common = job.span, {"ferry.job.id": job.job_id}
+    def _ended(self, ended: _Ended) -> None:
+        job = ended.job
+        attempt = self._open.pop(job.job_id, None)
+        if attempt is None:
+            return
+        common = {"ferry.job.id": job.job_id}
         attempt.set_attributes({
             "ferry.job.state": job.state, "gen_ai.usage.input_tokens": job.prompt_tokens,
             "gen_ai.usage.output_tokens": job.output_tokens, "gen_ai.usage.cache_read.input_tokens": job.cached_tokens,
@@ -116,8 +177,8 @@ class JobTracer:
         if job.first_token_at is not None:
             self._span("decode", inside, job.first_token_at, job.finished_at, common | {
                 "gen_ai.usage.output_tokens": job.output_tokens, "ferry.decode.steps": job.steps})
-        self._span("publish", inside, published_at, written_at, common)
-        attempt.end(end_time=ns(written_at))
+        self._span("publish", inside, ended.published_at, ended.written_at, common)
+        attempt.end(end_time=ns(ended.written_at))
 
     def _span(self, name: str, context, start: float, end: float, attributes: dict) -> None:
         span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=ns(start))

@@ -109,6 +109,7 @@ class Worker:
             if self.served is not None:
                 self.served.engine.close()  # stops tensor-parallel ranks
             if self.tracing is not None:
+                self.tracer.close()
                 self.tracing.shutdown()
 
     def _start(self) -> None:

@@ -186,10 +186,9 @@ class PublisherThread:
                 self._done.notify_all()
 
     def _trace(self, batch: list[JobWrite], lost: dict[str, Lost], published_at: float, written_at: float) -> None:
-        """Spans of the jobs this round trip ended; a failure to make them is logged, never a job's."""
+        """Hand the tracer the attempts this round trip ended, and those that left without an end."""
         for w in batch:
             if isinstance(w, Finish) and w.trace is not None and w.job_id not in lost:
-                try:
-                    self.tracer.ended(w.trace, published_at, written_at)
-                except Exception:  # the SDK or a malformed context: the job stands, its spans do not
-                    log.exception("job spans not made", extra={"job_id": w.job_id})
+                self.tracer.ended(w.trace, published_at, written_at)
+            elif isinstance(w, HandBack) or (isinstance(w, Finish) and w.job_id in lost):
+                self.tracer.forget(w.job_id)
