@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import iterate_in_threadpool
 
-from ferry.api.errors import ApiError, error_body
+from ferry.api.errors import ApiError, error_body, unsupported, validation_answer
 from ferry.api.openai_jobs import chat_jobs, completion_jobs
 from ferry.api.openai_responses import Shape, job_error
 from ferry.api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -233,7 +233,7 @@ def build_line(svc: Services, tenant: str, batch_id: str, endpoint: str, envelop
     if problem is not None:
         raise ApiError(422, "invalid_request", problem)
     if body.get("stream"):
-        raise ApiError(422, "unsupported", "stream: a batch line is answered whole", field="stream")
+        raise unsupported("stream", "a batch line is answered whole")
     try:
         chat = endpoint == "/v1/chat/completions"
         request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
@@ -242,13 +242,13 @@ def build_line(svc: Services, tenant: str, batch_id: str, endpoint: str, envelop
             raise route
         if chat:
             if request.logprobs:
-                raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
+                raise unsupported("logprobs", "not supported in batch lines")
             jobs = chat_jobs(svc, tenant, route.model, request)
             if len(jobs) != 1:
-                raise ApiError(422, "unsupported", "n: one choice per batch line", field="n")
+                raise unsupported("n", "one choice per batch line")
         else:
             if request.logprobs is not None:
-                raise ApiError(422, "unsupported", "logprobs: not supported in batch lines", field="logprobs")
+                raise unsupported("logprobs", "not supported in batch lines")
             jobs = completion_jobs(svc, tenant, route.model, request)
             if len(jobs) != 1:
                 raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
@@ -271,8 +271,8 @@ def _invalid(errors: list[dict]) -> ApiError:
     field = ""
     for part in (p for p in first.get("loc", ()) if p != "body"):
         field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    return ApiError(422, "invalid_request", f"{field}: {message}" if field else message, field=field or None)
+    code, message = validation_answer(first, field or None)
+    return ApiError(422, code, message, field=field or None)
 
 
 # --- output and error lines ----------------------------------------------------------------------

@@ -5,6 +5,9 @@ error (`invalid_request_error` for a 4xx, `server_error` for a 5xx, ...); `param
 offending request field on validation errors, or is null; `field` repeats it, present only when
 set, for clients written before `param`. Bad input is never a 500: validation errors, malformed JSON,
 unknown routes and wrong methods all map to 4xx here.
+
+A request field Ferry does not implement, or an unknown one, is refused with the code
+`unsupported_parameter` (OpenAI's) and the field as `param`: never ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from ferry.api.offloop import INLINE_BYTES, NOT_JSON
 from ferry.worker.protocol.fields import json_value_problem
 
 log = logging.getLogger("ferry.api")
+
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field (or a value of it) Ferry does not implement, or unknown
 
 # HTTP status -> the code used when Starlette itself answers (unknown route, wrong method, ...).
 _STATUS_CODES = {
@@ -77,6 +82,19 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
     return JSONResponse(error_body(status, code, message, field), status_code=status, headers=headers)
 
 
+def unsupported(field: str, why: str) -> ApiError:
+    """The 422 for a field Ferry does not implement (or does not implement with this value)."""
+    return ApiError(422, UNSUPPORTED_PARAMETER, f"{field}: {why}", field=field)
+
+
+def validation_answer(error: dict, field: str | None) -> tuple[str, str]:
+    """(code, message) for pydantic's error at `field`: an unknown field is an unsupported parameter."""
+    if error.get("type") == "extra_forbidden":
+        return UNSUPPORTED_PARAMETER, f"{field}: unknown field; Ferry does not support it"
+    message = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
+    return "invalid_request", f"{field}: {message}" if field else message
+
+
 def not_found(what: str, ident: str) -> ApiError:
     return ApiError(404, f"{what}_not_found", f"{what.replace('_', ' ')} {ident!r} not found")
 
@@ -99,8 +117,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     field = _field_name(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return error_response(422, "invalid_json", f"request body is not valid JSON: {first.get('msg')}")
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    return error_response(422, "invalid_request", f"{field}: {message}" if field else message, field)
+    code, message = validation_answer(first, field)
+    return error_response(422, code, message, field)
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response bodies (completions, chat completions, models).
 
-Requests accept OpenAI's names plus vLLM's usual extras (top_k, min_p, repetition_penalty, ...);
-fields Ferry does not implement are refused with a 422 when set to anything but their neutral
-value, and unknown fields are ignored, as vLLM does, so existing clients work unchanged.
+Requests accept OpenAI's names plus vLLM's extras (top_k, min_p, repetition_penalty, bad_words,
+allowed_token_ids, chat_template_kwargs, ...). No field is ignored: a field Ferry does not implement
+is refused with a 422 `unsupported_parameter` naming it when set to anything but its neutral value
+(`UNSUPPORTED_FIELDS`), and so is an unknown field, as OpenAI's own API refuses one. docs/api.md
+lists every field of each route and what it does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, create_model, field_v
 from ferry.api.schemas import check_body_json
 from ferry.api.streaming import SSE_EVENT_SCHEMA
 from ferry.worker.protocol import Message, Priority, StructuredOutputsRequest
+from ferry.worker.protocol.chat_template import ChatTemplateFields
 from ferry.worker.protocol.fields import LogitBias, ModelName, TokenIds, sampling_annotation, sampling_fields
 from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.structured import check_json_schema
@@ -58,12 +61,16 @@ class ResponseFormat(BaseModel):
         return None
 
 
-# Fields clients send that Ferry does not implement: refused with the field named when set (vLLM's
-# older guided_* spellings point to structured_outputs).
-UNSUPPORTED_FIELDS = (
-    "functions", "function_call",  # OpenAI's older spelling of tools
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-)
+# Fields clients send that Ferry does not implement, and why: refused with the field named when set.
+UNSUPPORTED_FIELDS = {
+    "functions": "OpenAI's older spelling of tools; use tools",
+    "function_call": "OpenAI's older spelling of tool_choice; use tools and tool_choice",
+    **{f"guided_{kind}": "vLLM's older spelling; use structured_outputs"
+       for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
+    # The engine computes logits only at the positions it samples, and a prefix-cache hit skips the
+    # prompt's cached tokens altogether: a prompt's logprobs would need a prefill of their own.
+    "prompt_logprobs": "the engine computes logits only where it samples, not over the prompt",
+}
 MAX_N = 16  # choices per request: each is a job of its own, sharing the prompt's KV through the prefix cache
 OPENAI_MAX_STOP = 4  # stop strings OpenAI allows (jobs take more: worker.protocol.sampling)
 _StopString = Annotated[str, Strict(), Field(min_length=1)]  # an empty one would end every output at once
@@ -74,7 +81,7 @@ _StopString = Annotated[str, Strict(), Field(min_length=1)]  # an empty one woul
 # bool plus `top_logprobs` for chat).
 _SamplingFields = create_model(
     "_SamplingFields",
-    __config__=ConfigDict(extra="ignore"),
+    __config__=ConfigDict(extra="forbid"),
     model=(ModelName | None, None),
     n=(Annotated[int, Strict()], Field(default=1, ge=1, le=MAX_N, description="choices to generate for the prompt")),
     stream=(bool, False),
@@ -83,7 +90,8 @@ _SamplingFields = create_model(
     user=(str | None, None),
     structured_outputs=(StructuredOutputsRequest | None, Field(default=None, description="vLLM's: a grammar")),
     response_format=(ResponseFormat | None, None),
-    **{name: (Any, Field(default=None, description="not supported")) for name in UNSUPPORTED_FIELDS},
+    **{name: (Any, Field(default=None, description=f"not supported: {why}"))
+       for name, why in UNSUPPORTED_FIELDS.items()},
     **sampling_fields(optional=True, exclude=("logprobs", "stop")),
     stop=(_StopString | Annotated[list[_StopString], Field(max_length=OPENAI_MAX_STOP)] | None,
           Field(default=None, description=f"up to {OPENAI_MAX_STOP} strings that end generation")),
@@ -122,7 +130,7 @@ class CompletionRequest(_Body):
     tool_choice: Any = Field(default=None, description="not supported: tools need /v1/chat/completions")
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(_Body, ChatTemplateFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: _MAX_TOKENS = None  # type: ignore[valid-type]
     logprobs: bool = False

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.auth import tenant
-from ferry.api.errors import ApiError, error_body
+from ferry.api.errors import ApiError, error_body, unsupported
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_jobs import chat_jobs, completion_jobs
 from ferry.api.openai_responses import Shape, job_error, usage_json
@@ -264,7 +264,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc,
     model = await resolve_model(svc, body.model)
     jobs = chat_jobs(svc, tenant_name, model, body)
     if len(jobs) > 1 and body.stream:
-        raise ApiError(422, "unsupported", "stream: n > 1 is answered whole; stream with n = 1", field="stream")
+        raise unsupported("stream", "n > 1 is answered whole; stream with n = 1")
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     tools = jobs[0].effective_tool_choice != "none"
 

@@ -100,12 +100,12 @@ def test_validation_errors_name_the_field():
         e = error(api.get("/v1/jobs/x/events", headers={"Last-Event-ID": "abc"}), 422)
         assert e["field"] == "Last-Event-ID"
         e = error(api.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True}), 422)
-        assert (e["code"], e["field"]) == ("unsupported", "stream")
+        assert (e["code"], e["field"]) == ("unsupported_parameter", "stream")
         assert error(api.post("/v1/completions", json={"prompt": []}), 422)["field"] == "prompt"
         assert error(api.post("/v1/completions", json={"prompt": ["a"] * 65}), 422)["field"] == "prompt"
         assert error(api.post("/v1/completions", json={"prompt": "a", "n": 17}), 422)["field"] == "n"
         e = error(api.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1}), 422)
-        assert (e["code"], e["field"]) == ("unsupported", "echo")
+        assert (e["code"], e["field"]) == ("unsupported_parameter", "echo")
         assert error(api.post("/v1/completions", json={"prompt": [1, 2], "echo": True}), 422)["field"] == "echo"
         assert error(api.post("/v1/chat/completions", json={"messages": []}), 422)["field"] == "messages"
 

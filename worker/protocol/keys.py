@@ -119,7 +119,8 @@ class Keys:
         return f"{self.prefix}:models"
 
     def model_limits(self, model: str) -> str:
-        """Hash: `vocab_size`, `max_model_len` of a served model, written by its workers."""
+        """Hash: `vocab_size`, `max_model_len`, `chat_template_variables` (JSON) of a served model, written
+        by its workers."""
         return f"{self.prefix}:model:{model}"
 
     # --- webhook delivery ---------------------------------------------------------------------------

@@ -54,9 +54,10 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
             idle_task = snapshots.save_if_due
         pacing = BackgroundPacing(settings.background_pause_ratio, settings.background_pause_window_s)
         loop = EngineLoop(engine, worker_id, metrics, submit, idle_task, settings.tool_call_parser, pacing)
-        served = Served(engine, loop, PromptRenderer.for_model(engine.model_dir, settings.tool_call_parser),
-                        snapshots, fingerprint(engine),
-                        {"vocab_size": str(engine.arch.vocab_size), "max_model_len": str(engine.max_model_len)})
+        renderer = PromptRenderer.for_model(engine.model_dir, settings.tool_call_parser)
+        served = Served(engine, loop, renderer, snapshots, fingerprint(engine),
+                        {"vocab_size": str(engine.arch.vocab_size), "max_model_len": str(engine.max_model_len),
+                         **renderer.reported()})
     except BaseException:
         engine.close()
         raise
