@@ -80,6 +80,10 @@ def tracing_from_env(service_name: str, environ: Mapping[str, str] = os.environ)
     provider = TracerProvider(resource=resource, sampler=sampler)
     # Headers, timeout, compression, certificates and the batch processor's limits: the SDK reads OTEL_*.
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    # With the collector down the queue fills and every span is dropped: the SDK builds a "Queue full"
+    # record per span (10-15 us, on the thread ending the span: the API's event loop) only to filter
+    # it out as a duplicate. The exporter's own warnings still say the collector is unreachable.
+    logging.getLogger("opentelemetry.sdk._shared_internal").setLevel(logging.ERROR)
     log.info("tracing to %s", endpoint)
     return Tracing(provider)
 

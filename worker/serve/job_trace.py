@@ -148,7 +148,7 @@ class JobTracer:
                 links.append(Link(enqueued, {"ferry.link": "resumed after an earlier attempt"}))
         span = self.tracer.start_span(f"process {self.model}", context=parent, kind=SpanKind.CONSUMER,
                                       attributes=attributes, links=links, start_time=ns(job.picked_at))
-        self._span("intake", trace.set_span_in_context(span), job.picked_at, job.ready_at, common)
+        self._span("intake", trace.set_span_in_context(span), job.picked_at, job.ready_at)
         if len(self._open) >= MAX_OPEN_ATTEMPTS:
             self._open.pop(next(iter(self._open)))
         self._open[job.job_id] = span
@@ -158,7 +158,6 @@ class JobTracer:
         attempt = self._open.pop(job.job_id, None)
         if attempt is None:
             return
-        common = {"ferry.job.id": job.job_id}
         attempt.set_attributes({
             "ferry.job.state": job.state, "gen_ai.usage.input_tokens": job.prompt_tokens,
             "gen_ai.usage.output_tokens": job.output_tokens, "gen_ai.usage.cache_read.input_tokens": job.cached_tokens,
@@ -169,17 +168,18 @@ class JobTracer:
             attempt.set_status(Status(StatusCode.ERROR))
         inside = trace.set_span_in_context(attempt)
         if job.admitted_at is not None:
-            self._span("admission", inside, job.ready_at, job.first_scheduled_at or job.finished_at, common)
+            self._span("admission", inside, job.ready_at, job.first_scheduled_at or job.finished_at)
         if job.first_scheduled_at is not None:
-            self._span("prefill", inside, job.first_scheduled_at, job.first_token_at or job.finished_at, common | {
+            self._span("prefill", inside, job.first_scheduled_at, job.first_token_at or job.finished_at, {
                 "gen_ai.usage.input_tokens": job.prompt_tokens,
                 "gen_ai.usage.cache_read.input_tokens": job.cached_tokens})
         if job.first_token_at is not None:
-            self._span("decode", inside, job.first_token_at, job.finished_at, common | {
+            self._span("decode", inside, job.first_token_at, job.finished_at, {
                 "gen_ai.usage.output_tokens": job.output_tokens, "ferry.decode.steps": job.steps})
-        self._span("publish", inside, ended.published_at, ended.written_at, common)
+        self._span("publish", inside, ended.published_at, ended.written_at)
         attempt.end(end_time=ns(ended.written_at))
 
-    def _span(self, name: str, context, start: float, end: float, attributes: dict) -> None:
+    def _span(self, name: str, context, start: float, end: float, attributes: dict | None = None) -> None:
+        """A finished span (a phase: the job's id is on its attempt)."""
         span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=ns(start))
         span.end(end_time=ns(max(start, end)))
