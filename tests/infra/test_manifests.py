@@ -33,6 +33,10 @@ THIRD_PARTY_VARS = {
     "DEBIAN_FRONTEND": "image build: apt without prompts",
     "PIP_NO_CACHE_DIR": "image build: no pip cache in layers",
     "PIP_DISABLE_PIP_VERSION_CHECK": "image build: quiet pip",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry: the collector traces go to (empty: tracing off)",
+    "OTEL_TRACES_SAMPLER": "OpenTelemetry: which jobs are traced",
+    "OTEL_TRACES_SAMPLER_ARG": "OpenTelemetry: the sampler's ratio",
+    "OTEL_SERVICE_NAME": "OpenTelemetry: the process's name in a trace",
 }
 
 
@@ -120,6 +124,29 @@ def test_grafana_dashboard_is_provisioned_and_covers_the_metrics(compose):
     assert {p["datasource"]["uid"] for p in dash["panels"]} <= uids
     mounts = compose["services"]["grafana"]["volumes"]
     assert "./grafana/ferry.json:/var/lib/grafana/dashboards/ferry.json:ro" in mounts
+
+
+def test_traces_are_an_optional_profile_and_grafana_links_exemplars_to_them(compose):
+    services = compose["services"]
+    assert services["otel-collector"]["profiles"] == ["tracing"] == services["jaeger"]["profiles"]
+    assert "./otel/collector.yaml:/etc/otelcol/config.yaml:ro" in services["otel-collector"]["volumes"]
+    collector = yaml.safe_load((INFRA / "otel" / "collector.yaml").read_text())
+    assert collector["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    for name in ("api", "worker", "webhooks"):  # off unless the endpoint is given
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+        assert env["OTEL_SERVICE_NAME"] == f"ferry-{name}"
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+    sources = yaml.safe_load((INFRA / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    by_uid = {d["uid"]: d for d in sources}
+    assert by_uid["jaeger"]["url"] == "http://jaeger:16686"
+    assert by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"] == [
+        {"name": "trace_id", "datasourceUid": "jaeger"}]  # the exemplar label the worker sets
+    dash = json.loads((INFRA / "grafana" / "ferry.json").read_text())
+    linked = [t["expr"] for p in dash["panels"] for t in p["targets"] if t.get("exemplar")]
+    assert any("ferry_time_to_first_token_seconds_bucket" in e for e in linked)
+    assert any("ferry_e2e_request_latency_seconds_bucket" in e for e in linked)
 
 
 # --- Dockerfiles -----------------------------------------------------------------------------
@@ -260,3 +287,14 @@ def test_pods_run_non_root_with_read_only_roots(k8s):
         for c in pod["containers"]:
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_k8s_wires_tracing_off_until_an_overlay_names_a_collector(k8s):
+    _, objects, config = k8s
+    shared = config["ferry-config"]
+    assert shared["OTEL_EXPORTER_OTLP_ENDPOINT"] == ""  # off at no cost
+    assert shared["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert 0 < float(shared["OTEL_TRACES_SAMPLER_ARG"]) <= 1
+    for name in ("ferry-api", "ferry-worker", "ferry-webhooks"):
+        [container] = _get(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        assert {"configMapRef": {"name": "ferry-config"}} in container["envFrom"]
