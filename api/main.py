@@ -30,7 +30,7 @@ from ferry.api.streaming import PubSubHub
 from ferry.api.tracing import end_request_span, in_span, start_request_span
 from ferry.worker.common.connect import ReplicationWaiter, connect_async
 from ferry.worker.common.objectstore import open_store
-from ferry.worker.common.tracing import Tracing, tracing_from_env
+from ferry.worker.common.tracing import Tracing, log_as_text, tracing_from_env
 from ferry.worker.protocol import Keys
 
 log = logging.getLogger("ferry.api")
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=settings.host, help=f"bind address (FERRY_HOST, default {settings.host})")
     parser.add_argument("--port", type=int, default=settings.port, help=f"port (FERRY_PORT, default {settings.port})")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_as_text(settings.log_level)
     # Large bodies are parsed and checked on threads beside the event loop; a thread holds the GIL
     # for up to the switch interval at a time, so the loop (every other request) waits at most that long.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)

@@ -10,6 +10,7 @@ mid-job (kill -9) leaves the resumed attempt, on the other worker, in the same t
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import signal
 import socket
@@ -153,10 +154,13 @@ class TracedStack:
         self.env = api_stack.stack_env(self.prefix, model_dir, FERRY_API_KEYS=api_stack.api_keys_setting(),
                              FERRY_WEBHOOK_SECRET=new_secret(), FERRY_WEBHOOK_ALLOW_PRIVATE="1",
                              FERRY_LEASE_S="3", FERRY_REAPER_INTERVAL_S="0.3", FERRY_READ_BLOCK_MS="200",
-                             OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
-        self.procs = {name: Proc(name, ["worker"], self.env, tmp_path) for name in ("worker-1", "worker-2")}
+                             OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100",
+                             FERRY_LOG_LEVEL="INFO")
+        self.metrics_ports = {name: api_stack.free_port() for name in ("worker-1", "worker-2")}
+        self.procs = {name: Proc(name, ["worker"], self.env | {"FERRY_METRICS_PORT": str(port)}, tmp_path)
+                      for name, port in self.metrics_ports.items()}
         self.procs["api"] = Proc("api", ["api", "--host", "127.0.0.1", "--port", str(self.port)], self.env, tmp_path)
-        self.procs["webhooks"] = Proc("webhooks", ["webhooks", "--loglevel", "WARNING"], self.env, tmp_path)
+        self.procs["webhooks"] = Proc("webhooks", ["webhooks", "--loglevel", "INFO"], self.env, tmp_path)
         self.redis = redis.Redis.from_url(api_stack.REDIS_URL, decode_responses=True)
         try:
             wait_until(lambda: httpx.get(self.url + "/readyz").status_code == 200
@@ -265,6 +269,22 @@ def test_one_trace_holds_the_api_the_worker_and_the_webhooks(tstack, otlp, recei
     # The receiver got each attempt's own context: its spans could join the trace.
     sent = {r.headers["traceparent"] for r in receiver.requests}
     assert sent == {f"00-{TRACE_ID}-{d.span_id}-01" for d in deliveries}
+
+    # Logs: the worker's JSON line of the job's admission, the webhook worker's of each delivery.
+    worker = next(n for n in ("worker-1", "worker-2") if attempt.attributes["ferry.worker.id"]
+                  == f"{socket.gethostname()}-{tstack.procs[n].popen.pid}")
+    admitted = [json.loads(line) for line in tstack.procs[worker].log().splitlines()
+                if line.startswith("{") and job_id in line and "job admitted" in line]
+    assert [line["trace_id"] for line in admitted] == [TRACE_ID]
+    delivered = [line for line in tstack.procs["webhooks"].log().splitlines() if "webhook job." in line
+                 and job_id in line]
+    assert len(delivered) == 2 and all(f"trace_id={TRACE_ID}" in line for line in delivered)
+    # Metrics: TTFT and end-to-end samples carry the trace id as an exemplar (OpenMetrics).
+    metrics = httpx.get(f"http://127.0.0.1:{tstack.metrics_ports[worker]}/metrics",
+                        headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
+    for histogram in ("ferry_time_to_first_token_seconds_bucket", "ferry_e2e_request_latency_seconds_bucket"):
+        assert any(line.startswith(histogram) and f'# {{trace_id="{TRACE_ID}"}}' in line
+                   for line in metrics.splitlines()), histogram
 
 
 @pytest.mark.redis

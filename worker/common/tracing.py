@@ -142,6 +142,26 @@ def traceparent_of(span: Span) -> str | None:
     return carrier.get("traceparent")
 
 
+TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s%(trace)s"
+
+
+class TraceIdsInText(logging.Filter):
+    """For a text log (`TEXT_LOG_FORMAT`): a line logged inside a span ends with its
+    ` trace_id=... span_id=...`, any other with nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ids = current_ids()
+        record.trace = "" if ids is None else f" trace_id={ids[0]} span_id={ids[1]}"
+        return True
+
+
+def log_as_text(level: int | str) -> None:
+    """`logging.basicConfig` for a process logging text, its lines inside spans ending with their ids."""
+    logging.basicConfig(level=level, format=TEXT_LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIdsInText())
+
+
 def current_ids() -> tuple[str, str] | None:
     """(trace id, span id) in hex of the span current in this thread or task, None outside one."""
     context = trace.get_current_span().get_span_context()

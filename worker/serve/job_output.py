@@ -174,10 +174,9 @@ class JobOutput:
 
     @staticmethod
     def _exemplar(run: JobRun) -> dict[str, str] | None:
-        """A traced job's trace id (from its record's W3C `traceparent`, "00-<trace id>-..."), a latency's
-        exemplar (OpenMetrics): a slow bucket links to its trace."""
-        traceparent = run.start.traceparent
-        return {"trace_id": traceparent[3:35]} if run.start.traced and traceparent else None
+        """A traced job's trace id, a latency's exemplar (OpenMetrics): a slow bucket links to its trace."""
+        trace_id = run.start.trace_id
+        return None if trace_id is None else {"trace_id": trace_id}
 
     @staticmethod
     def hand_back(run: JobRun) -> HandBack:

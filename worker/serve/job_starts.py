@@ -74,6 +74,11 @@ class JobStart:
     traced: bool = False  # tracing on: its end carries its times for spans (`worker.serve.job_trace`)
 
     @property
+    def trace_id(self) -> str | None:
+        """Its trace's id (tracing on), from the record's W3C `traceparent` ("00-<trace id>-<span id>-<flags>")."""
+        return self.traceparent[3:35] if self.traced and self.traceparent else None
+
+    @property
     def background(self) -> bool:
         """A background-lane job (a batch's line): it gives way to live jobs."""
         return self.request.priority.background

@@ -11,7 +11,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from ferry.worker.common.tracing import TracingConfigError, tracing_from_env
+from ferry.worker.common.tracing import TracingConfigError, log_as_text, tracing_from_env
 from ferry.worker.protocol import Keys
 from ferry.worker.webhooks.delivery import Attempt, WebhookMessage
 from ferry.worker.webhooks.relay import Relay
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=None, help="delivery threads (FERRY_WEBHOOK_CONCURRENCY)")
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_as_text(args.loglevel)
     settings = WebhookSettings()
     if not settings.webhook_secret:
         log.error("FERRY_WEBHOOK_SECRET is not set (expected 'whsec_<base64>'): refusing to send unsigned webhooks")

@@ -162,9 +162,9 @@ def make_celery(settings: WebhookSettings, on_final=None, tracing: Tracing | Non
                     traceparent=traceparent,
                 )
                 set_answer(span, result.status_code, result.outcome, result.detail)
+                log.info("webhook %s %s -> %s attempt %d: %s", d.event, d.job_id, d.url, number, result.detail)
         finally:
             slots.give_back(d.tenant)
-        log.info("webhook %s %s -> %s attempt %d: %s", d.event, d.job_id, d.url, number, result.detail)
         if result.outcome == "retry" and number < settings.webhook_max_attempts:
             raise task.retry(kwargs={"delivery": delivery, "attempt": number + 1},
                              countdown=backoff_s(number, settings.webhook_retry_base_s, settings.webhook_retry_max_s))
