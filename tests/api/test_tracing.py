@@ -155,7 +155,8 @@ class TracedStack:
                              FERRY_WEBHOOK_SECRET=new_secret(), FERRY_WEBHOOK_ALLOW_PRIVATE="1",
                              FERRY_LEASE_S="3", FERRY_REAPER_INTERVAL_S="0.3", FERRY_READ_BLOCK_MS="200",
                              OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100",
-                             FERRY_LOG_LEVEL="INFO")
+                             FERRY_LOG_LEVEL="INFO", FERRY_FILES_URL=(tmp_path / "files").as_uri(),
+                             FERRY_UPLOAD_DIR=str(tmp_path / "up"), FERRY_BATCH_POLL_S="0.05")
         self.metrics_ports = {name: api_stack.free_port() for name in ("worker-1", "worker-2")}
         self.procs = {name: Proc(name, ["worker"], self.env | {"FERRY_METRICS_PORT": str(port)}, tmp_path)
                       for name, port in self.metrics_ports.items()}
@@ -170,8 +171,7 @@ class TracedStack:
             raise
 
     def submit(self, body: dict) -> str:
-        headers = {"Authorization": f"Bearer {api_stack.KEY_A}", "traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"}
-        r = httpx.post(self.url + "/v1/jobs", json=body, headers=headers, timeout=30)
+        r = httpx.post(self.url + "/v1/jobs", json=body, headers=_headers(TRACE_ID), timeout=30)
         assert r.status_code == 202, r.text
         return r.json()["id"]
 
@@ -187,6 +187,10 @@ class TracedStack:
             proc.stop()
         self.redis.close()
         api_stack.delete_prefix(self.prefix)
+
+
+def _headers(trace_id: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_stack.KEY_A}", "traceparent": f"00-{trace_id}-{CALLER_SPAN}-01"}
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +213,11 @@ def _one(spans: list[Span], name: str, **attributes) -> Span:
     return found[0]
 
 
-def _wait_for_spans(otlp: OtlpReceiver, want) -> list[Span]:
+def _wait_for_spans(otlp: OtlpReceiver, want, trace_id: str = TRACE_ID) -> list[Span]:
     holder: list[list[Span]] = []
 
     def ready() -> bool:
-        spans = otlp.trace(TRACE_ID)
+        spans = otlp.trace(trace_id)
         holder[:] = [spans]
         return want(spans)
 
@@ -285,6 +289,33 @@ def test_one_trace_holds_the_api_the_worker_and_the_webhooks(tstack, otlp, recei
     for histogram in ("ferry_time_to_first_token_seconds_bucket", "ferry_e2e_request_latency_seconds_bucket"):
         assert any(line.startswith(histogram) and f'# {{trace_id="{TRACE_ID}"}}' in line
                    for line in metrics.splitlines()), histogram
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_a_batch_is_one_trace_with_a_span_per_line(tstack, otlp):
+    batch_trace = "0af7651916cd43dd8448eb211c80319c"
+    lines = b"".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "tiny", "prompt": f"line {i}", "max_tokens": 3, "temperature": 0}}).encode() + b"\n" for i in range(3))
+    auth = {"Authorization": f"Bearer {api_stack.KEY_A}"}
+    uploaded = httpx.post(tstack.url + "/v1/files", headers=auth, files={"file": ("in.jsonl", lines)},
+                          data={"purpose": "batch"}, timeout=30).json()
+    batch = httpx.post(tstack.url + "/v1/batches", headers=_headers(batch_trace), timeout=30, json={
+        "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+    wait_until(lambda: httpx.get(f"{tstack.url}/v1/batches/{batch['id']}", headers=auth).json()["status"]
+               == "completed", 120, "the batch")
+
+    def every_line_ran(spans: list[Span]) -> bool:
+        return sum(s.name == "process tiny" for s in spans) == 3 and sum(s.name == "send tiny" for s in spans) == 3
+
+    spans = _wait_for_spans(otlp, every_line_ran, batch_trace)
+    created = _one(spans, "POST /v1/batches")
+    assert created.parent_id == CALLER_SPAN
+    lines_sent = [s for s in spans if s.name == "send tiny"]
+    assert all(s.parent_id == created.span_id for s in lines_sent)  # enqueued later, by the driver, in its trace
+    runs = [s for s in spans if s.name == "process tiny"]
+    assert sorted(r.parent_id for r in runs) == sorted(s.span_id for s in lines_sent)
+    assert {s.attributes["messaging.message.id"] for s in lines_sent} == {r.attributes["ferry.job.id"] for r in runs}
 
 
 @pytest.mark.redis
