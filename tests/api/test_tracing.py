@@ -315,7 +315,8 @@ def test_a_batch_is_one_trace_with_a_span_per_line(tstack, otlp):
     assert all(s.parent_id == created.span_id for s in lines_sent)  # enqueued later, by the driver, in its trace
     runs = [s for s in spans if s.name == "process tiny"]
     assert sorted(r.parent_id for r in runs) == sorted(s.span_id for s in lines_sent)
-    assert {s.attributes["messaging.message.id"] for s in lines_sent} == {r.attributes["ferry.job.id"] for r in runs}
+    assert {s.attributes["messaging.message.id"] for s in lines_sent} == {
+        r.attributes["messaging.message.id"] for r in runs}
 
 
 @pytest.mark.redis
@@ -331,7 +332,11 @@ def test_a_job_resumed_after_kill9_stays_in_its_trace(tstack, otlp):
         holder[:] = [rec]
         return rec.state is JobState.running and tstack.redis.xlen(tstack.keys.events(job_id)) >= 4
 
-    wait_until(mid_generation, 120, "the job mid-generation")
+    def queue_wait_sent() -> bool:  # the start's spans leave within OTEL_BSP_SCHEDULE_DELAY (100 ms here)
+        return any(s.name == "queue wait" and s.attributes["messaging.message.id"] == job_id
+                   for s in otlp.trace(TRACE_ID))
+
+    wait_until(lambda: mid_generation() and queue_wait_sent(), 120, "the job mid-generation, its queue wait sent")
     victim = tstack.worker_of(holder[0].worker_id)
     os.kill(victim.popen.pid, signal.SIGSTOP)  # frozen at once: it cannot finish the job while we look
     assert tstack.record(job_id).state is JobState.running
@@ -345,11 +350,11 @@ def test_a_job_resumed_after_kill9_stays_in_its_trace(tstack, otlp):
     rec = tstack.record(job_id)
     assert rec.state is JobState.succeeded and rec.attempts == 2
     enqueue = _one(spans, "send tiny", **{"messaging.message.id": job_id})
-    attempt = _one(spans, "process tiny", **{"ferry.job.id": job_id})
+    attempt = _one(spans, "process tiny", **{"messaging.message.id": job_id})
     assert attempt.trace_id == TRACE_ID and attempt.parent_id == enqueue.span_id
     assert attempt.attributes["ferry.job.attempt"] == 2 and attempt.attributes["ferry.job.resumed_tokens"] >= 3
     assert attempt.links == [(TRACE_ID, enqueue.span_id)]
     assert attempt.attributes["ferry.worker.id"] != holder[0].worker_id
     # The queue wait went out when the first attempt started: the dead worker had sent it.
-    queue_wait = _one(spans, "queue wait", **{"ferry.job.id": job_id})
+    queue_wait = _one(spans, "queue wait", **{"messaging.message.id": job_id})
     assert queue_wait.parent_id == enqueue.span_id and queue_wait.end_ns == int(rec.started_at * 1e9)
