@@ -29,8 +29,6 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from opentelemetry import trace
-
 from ferry.worker.common.tracing import (
     Link,
     Span,
@@ -93,6 +91,7 @@ class JobTracer:
     """Makes the spans of attempts on one worker (serving `model` as `worker_id`), on a thread of its own."""
 
     def __init__(self, tracing: Tracing, model: str, worker_id: str) -> None:
+        self.tracing = tracing
         self.tracer = tracing.tracer
         self.model = model
         self.worker_id = worker_id
@@ -133,8 +132,9 @@ class JobTracer:
     def _started(self, job: AttemptStart) -> None:
         parent = context_of(job.traceparent)
         # The job's id is messaging.message.id (each attribute costs 2-3 us to make and as much to export).
-        if job.attempt == 1:
-            self._span("queue wait", parent, job.created_at, job.started_at, {"messaging.message.id": job.job_id})
+        if job.attempt == 1:  # a span of the sampler's own (its parent is the API's enqueue, in another process)
+            self.tracer.start_span("queue wait", context=parent, attributes={"messaging.message.id": job.job_id},
+                                   start_time=ns(job.created_at)).end(end_time=ns(max(job.created_at, job.started_at)))
         attributes = {
             "messaging.system": MESSAGING_SYSTEM, "messaging.operation.type": "process",
             "messaging.destination.name": self.model, "messaging.message.id": job.job_id,
@@ -149,7 +149,7 @@ class JobTracer:
                 links.append(Link(enqueued, {"ferry.link": "resumed after an earlier attempt"}))
         span = self.tracer.start_span(f"process {self.model}", context=parent, kind=SpanKind.CONSUMER,
                                       attributes=attributes, links=links, start_time=ns(job.picked_at))
-        self._span("intake", trace.set_span_in_context(span), job.picked_at, job.ready_at)
+        self._phase(span, "intake", job.picked_at, job.ready_at)
         if len(self._open) >= MAX_OPEN_ATTEMPTS:
             self._open.pop(next(iter(self._open)))
         self._open[job.job_id] = span
@@ -167,20 +167,18 @@ class JobTracer:
             attempt.set_attribute("gen_ai.response.finish_reasons", [job.finish_reason])
         if job.state == "failed":
             attempt.set_status(Status(StatusCode.ERROR))
-        inside = trace.set_span_in_context(attempt)
         if job.admitted_at is not None:
-            self._span("admission", inside, job.ready_at, job.first_scheduled_at or job.finished_at)
+            self._phase(attempt, "admission", job.ready_at, job.first_scheduled_at or job.finished_at)
         if job.first_scheduled_at is not None:
-            self._span("prefill", inside, job.first_scheduled_at, job.first_token_at or job.finished_at, {
+            self._phase(attempt, "prefill", job.first_scheduled_at, job.first_token_at or job.finished_at, {
                 "gen_ai.usage.input_tokens": job.prompt_tokens,
                 "gen_ai.usage.cache_read.input_tokens": job.cached_tokens})
         if job.first_token_at is not None:
-            self._span("decode", inside, job.first_token_at, job.finished_at, {
+            self._phase(attempt, "decode", job.first_token_at, job.finished_at, {
                 "gen_ai.usage.output_tokens": job.output_tokens, "ferry.decode.steps": job.steps})
-        self._span("publish", inside, ended.published_at, ended.written_at)
+        self._phase(attempt, "publish", ended.published_at, ended.written_at)
         attempt.end(end_time=ns(ended.written_at))
 
-    def _span(self, name: str, context, start: float, end: float, attributes: dict | None = None) -> None:
-        """A finished span (a phase: the job's id is on its attempt)."""
-        span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=ns(start))
-        span.end(end_time=ns(max(start, end)))
+    def _phase(self, attempt: Span, name: str, start: float, end: float, attributes: dict | None = None) -> None:
+        """A phase of `attempt`, over already (the job's id is on the attempt)."""
+        self.tracing.finished_child(attempt, name, ns(start), ns(end), attributes)
