@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -25,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from ferry.worker.common.tracing import TracingConfigError, tracing_from_env
 from ferry.worker.protocol import JobRecord, JobState, Keys
+from ferry.worker.serve.job_trace import AttemptStart, AttemptTrace, JobTracer
 from ferry.worker.webhooks.signing import new_secret
 from tests.api import conftest as api_stack
 from tests.api.conftest import Proc, wait_until
@@ -67,6 +69,40 @@ def test_a_bad_setting_stops_the_worker_at_start(tmp_path):
     assert proc.popen.wait(120) == 2
     proc.stop()
     assert "OTEL_TRACES_SAMPLER='sometimes'" in proc.log()
+
+
+def test_a_collector_that_is_down_costs_spans_never_a_job(tmp_path):
+    """The API answers every job (its record keeps its context) and the worker's tracing thread
+    drops what the exporter cannot send: nothing raises, nothing waits on the collector."""
+    dead = f"http://127.0.0.1:{api_stack.free_port()}"
+    prefix, port = api_stack.new_prefix(), api_stack.free_port()
+    env = api_stack.stack_env(prefix, tmp_path, FERRY_MODELS="tiny", OTEL_EXPORTER_OTLP_ENDPOINT=dead)
+    api = Proc("api-dead-collector", ["api", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path)
+    client = redis.Redis.from_url(api_stack.REDIS_URL, decode_responses=True)
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200, 60, "the API", [api])
+        for _ in range(20):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/jobs", headers=_headers(TRACE_ID), timeout=30,
+                           json={"input": {"model": "tiny", "prompt": "x", "max_tokens": 1}})
+            assert r.status_code == 202, r.text
+            record = JobRecord.from_redis(client.hgetall(Keys(prefix).job(r.json()["id"])))
+            assert record.traceparent.startswith(f"00-{TRACE_ID}-")
+    finally:
+        api.stop()
+        client.close()
+        api_stack.delete_prefix(prefix)
+
+    tracing = tracing_from_env("ferry-worker", {"OTEL_EXPORTER_OTLP_ENDPOINT": dead})
+    tracer = JobTracer(tracing, "tiny", "w-dead")
+    now = time.time()
+    for i in range(3000):  # more than the batch processor's queue (2048): the rest is dropped
+        tracer.started(AttemptStart(f"job-{i}", f"00-{TRACE_ID}-{CALLER_SPAN}-01", 1, "chat", now - 1, now - 0.5,
+                                    now - 0.5, now - 0.4, 0))
+        tracer.ended(AttemptTrace(f"job-{i}", now - 0.4, now - 0.39, now - 0.38, now - 0.3, now, "succeeded", 8, 0,
+                                  4, 4), now, now)
+    tracer.close(timeout_s=60)
+    assert not tracer.thread.is_alive()
+    tracing.shutdown()  # bounded: it gives up on the collector after a few seconds
 
 
 # --- the receiver ---------------------------------------------------------------------------------
