@@ -57,8 +57,8 @@ class Tracing:
     def finished_child(self, parent: Span, name: str, start_ns: int, end_ns: int,
                        attributes: Mapping[str, Any] | None = None) -> None:
         """A child of the recording span `parent` that is over already (a phase whose times are known):
-        handed to the processor as a finished span, without the start/end bookkeeping of a live one (a
-        third of the cost). Sampled with its parent, as every child of a parent-based sampler is."""
+        handed to the processor as a finished span, without a live span's sampler call, attribute
+        bounds and locks. Sampled with its parent, as every child of a parent-based sampler is."""
         context = parent.get_span_context()
         if not context.trace_flags.sampled:
             return
