@@ -15,11 +15,19 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ferry.worker.common.tracing import Span, SpanKind, Status, StatusCode, Tracing, context_of, traceparent_of
+from ferry.worker.common.tracing import (
+    QUEUE_SYSTEM,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracing,
+    context_of,
+    traceparent_of,
+)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
-MESSAGING_SYSTEM = "redis"  # the queue is a Redis stream (messaging.system is open to values beyond its list)
 
 
 def start_request_span(tracing: Tracing, scope) -> Span:
@@ -59,7 +67,7 @@ def enqueue_span(tracing: Tracing | None, queue: str, job_id: str, parent: str |
     if tracing is None:
         yield None
         return
-    attributes = {"messaging.system": MESSAGING_SYSTEM, "messaging.operation.type": "send",
+    attributes = {"messaging.system": QUEUE_SYSTEM, "messaging.operation.type": "send",
                   "messaging.operation.name": "enqueue", "messaging.destination.name": queue,
                   "messaging.message.id": job_id}
     with tracing.tracer.start_as_current_span(f"send {queue}", context=context_of(parent), kind=SpanKind.PRODUCER,

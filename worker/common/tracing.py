@@ -30,11 +30,13 @@ from opentelemetry.sdk.trace.sampling import _KNOWN_SAMPLERS, Sampler
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["Link", "Span", "SpanKind", "Status", "StatusCode", "Tracing", "TracingConfigError", "context_of",
-           "current_ids", "ns", "span_context_of", "traceparent_of", "tracing_from_env"]
+__all__ = ["QUEUE_SYSTEM", "Link", "Span", "SpanKind", "Status", "StatusCode", "Tracing", "TracingConfigError",
+           "context_of", "current_ids", "ns", "span_context_of", "traceparent_of", "tracing_from_env"]
 
 log = logging.getLogger("ferry.tracing")
 
+# messaging.system of the job queue's spans: it is a Redis stream (the attribute is open to values beyond its list)
+QUEUE_SYSTEM = "redis"
 _PROPAGATOR = TraceContextTextMapPropagator()
 _RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 _SHUTDOWN_WAIT_S = 3.0  # longest a process's exit waits for its last spans (the collector may be down)

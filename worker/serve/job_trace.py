@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass
 
 from ferry.worker.common.tracing import (
+    QUEUE_SYSTEM,
     Link,
     Span,
     SpanKind,
@@ -43,7 +44,6 @@ from ferry.worker.common.tracing import (
 
 log = logging.getLogger("ferry.worker.tracing")
 
-MESSAGING_SYSTEM = "redis"
 MAX_OPEN_ATTEMPTS = 100_000  # attempts whose end was never seen (lost to another worker) are dropped past this
 
 
@@ -136,7 +136,7 @@ class JobTracer:
             self.tracer.start_span("queue wait", context=parent, attributes={"messaging.message.id": job.job_id},
                                    start_time=ns(job.created_at)).end(end_time=ns(max(job.created_at, job.started_at)))
         attributes = {
-            "messaging.system": MESSAGING_SYSTEM, "messaging.operation.type": "process",
+            "messaging.system": QUEUE_SYSTEM, "messaging.operation.type": "process",
             "messaging.destination.name": self.model, "messaging.message.id": job.job_id,
             "ferry.job.attempt": job.attempt, "ferry.worker.id": self.worker_id,
             "gen_ai.operation.name": job.operation, "gen_ai.request.model": self.model,
