@@ -13,18 +13,10 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ferry.worker.common.tracing import (
-    QUEUE_SYSTEM,
-    Span,
-    SpanKind,
-    Status,
-    StatusCode,
-    Tracing,
-    context_of,
-    traceparent_of,
-)
+from ferry.worker.common.tracing import QUEUE_SYSTEM, Tracing, context_of, traceparent_of
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
