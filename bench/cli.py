@@ -49,6 +49,7 @@ SUITES = {
         Suite("prefix", "bench.prefix", ("--quick",)),  # includes the snapshot cold start
         Suite("queue", "bench.queue", ("--quick",), needs="redis"),
         Suite("api", "bench.api", ("--quick",), needs="redis"),
+        Suite("tracing", "bench.tracing", ("--quick",), needs="redis"),
         Suite("batch", "bench.batch", ("--quick",), needs="redis"),
         Suite("specdec", "bench.specdec", ("--quick",)),
         Suite("cold_start", "bench.cold_start", ("--quick",), needs="redis"),
