@@ -34,7 +34,6 @@ fails that batch. Within a batch, a line the driver cannot handle is answered `i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -62,6 +61,7 @@ from ferry.api.errors import ApiError
 from ferry.api.files import get_record
 from ferry.api.ratelimit import RateLimited
 from ferry.api.services import Services, cancel_job
+from ferry.api.tasks import cancel_and_wait
 from ferry.worker.common.objectstore import ObjectStore, StoreError
 
 log = logging.getLogger("ferry.api.batches")
@@ -89,10 +89,7 @@ class BatchDriver:
         self._task = asyncio.create_task(self._run(), name="batch-driver")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

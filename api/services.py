@@ -9,7 +9,6 @@ relay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 import logging
@@ -31,6 +30,7 @@ from ferry.api.errors import UNSUPPORTED_PARAMETER, ApiError, not_found
 from ferry.api.joblist import index_job
 from ferry.api.settings import ApiSettings
 from ferry.api.streaming import PubSubHub
+from ferry.api.tasks import cancel_and_wait
 from ferry.api.tracing import enqueue_span
 from ferry.api.usage import TenantUsageMetrics
 from ferry.worker.common.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
@@ -92,10 +92,7 @@ class ModelHeartbeats:
         self._task = asyncio.create_task(self._refresh_forever(), name="model-heartbeats")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def beats(self) -> dict[str, float]:
         """The last read; read now only when there is none yet, or (no task started) none recent."""

@@ -29,6 +29,7 @@ import anyio
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
+from ferry.api.tasks import cancel_and_wait
 from ferry.worker.common.connect import is_cluster
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event, Keys, decode_event, event_from_fields, seq_of_stream_id
 
@@ -61,10 +62,7 @@ class PubSubHub:
         self._task = asyncio.create_task(self._read(), name="pubsub-hub")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self._pubsub.aclose()
 
     def stop(self) -> None:
