@@ -436,16 +436,19 @@ def test_a_live_request_preempts_a_batch_one_and_both_keep_their_greedy_tokens(l
     engine.add_request("batch0", prompts["batch0"], params, priority=2)
     engine.add_request("batch1", prompts["batch1"], params, priority=2)
     tokens: dict[str, list[int]] = {}
+    preemptions: dict[str, int] = {}
     first_live_token_step = None
     for step in range(200):
         if step == 3:
             engine.add_request("live", prompts["live"], params, priority=0)
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            preemptions[out.request_id] = out.metrics.num_preemptions
             if out.request_id == "live" and first_live_token_step is None and out.new_token_ids:
                 first_live_token_step = step
         if not engine.has_unfinished_requests():
             break
     assert first_live_token_step == 3  # admitted at once, not after a batch request finished
     assert engine.stats().num_preemptions == 1
+    assert sorted(preemptions.values()) == [0, 0, 1] and preemptions["live"] == 0  # each request's own count
     assert tokens == alone

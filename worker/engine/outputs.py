@@ -34,6 +34,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # monotonic time of each generated token
+    num_preemptions: int = 0  # times its KV was freed for another request's (it recomputed)
+    num_draft_tokens: int = 0  # speculative proposals verified for it
+    num_accepted_tokens: int = 0  # of those, the ones accepted
 
     @property
     def ttft(self) -> float | None:

@@ -72,7 +72,6 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: Exception | None = None  # what ended it, when finish_reason is ERROR
-    num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding (unused when it is off)
     grammar: GrammarState | None = None  # structured outputs: its compile, then its matcher; None = unconstrained

@@ -217,7 +217,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec.clear()
         victim.spec.num_draft_computed = 0  # the draft's KV went with the blocks
-        victim.num_preemptions += 1
+        victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
         self._enqueue(victim)

@@ -503,15 +503,24 @@ def _bytes_per_block(engine: Engine) -> int:
 
 
 def _generate(engine: Engine, prompts, params, check_blocks: bool = True) -> list[list[int]]:
+    before = engine.stats()
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    metrics = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
+            metrics[out.request_id] = out.metrics
         if check_blocks:
             _check_blocks(engine, exact=engine.spec is None or engine.spec.config.method == "ngram")
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and sum(engine.kv.ref_counts) == 0
+    after = engine.stats()  # the requests' own counts add up to what the engine counted meanwhile
+    assert sum(m.num_preemptions for m in metrics.values()) == after.num_preemptions - before.num_preemptions
+    if after.spec_decode is not None:
+        now, was = after.spec_decode, before.spec_decode
+        assert sum(m.num_draft_tokens for m in metrics.values()) == now.num_draft_tokens - was.num_draft_tokens
+        assert sum(m.num_accepted_tokens for m in metrics.values()) == now.num_accepted_tokens - was.num_accepted_tokens
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 

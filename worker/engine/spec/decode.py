@@ -159,6 +159,8 @@ class SpecDecoder:
         stats.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             stats.accepted_per_position[i] += 1
+        request.metrics.num_draft_tokens += num_proposed
+        request.metrics.num_accepted_tokens += num_accepted
         spec = request.spec
         spec.acceptance += _ACCEPTANCE_WEIGHT * (num_accepted / num_proposed - spec.acceptance)
         if spec.acceptance < self.config.min_acceptance_rate and self.config.pause_steps:
