@@ -298,7 +298,7 @@ def test_one_trace_holds_the_api_the_worker_and_the_webhooks(tstack, otlp, recei
     assert [p.start_ns for p in phases] == sorted(p.start_ns for p in phases)
     assert attempt.start_ns <= phases[0].start_ns and phases[-1].end_ns <= attempt.end_ns
     assert phases[2].attributes["gen_ai.usage.input_tokens"] == rec.usage.prompt_tokens
-    assert phases[3].attributes["ferry.decode.steps"] >= 1
+    assert phases[3].attributes["ferry.decode.steps"] >= 1 and phases[3].attributes["ferry.decode.preemptions"] == 0
 
     handoffs = [s for s in spans if s.service == "ferry-webhooks" and s.kind == 4]  # PRODUCER
     assert {s.attributes["ferry.webhook.event"] for s in handoffs} == {"job.started", "job.completed"}

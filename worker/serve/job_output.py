@@ -201,7 +201,9 @@ def attempt_trace(run: JobRun, state: str, finished_at: float, finish_reason: st
         first_scheduled_at=unix(metrics.first_scheduled_time) if metrics else None,
         first_token_at=unix(metrics.first_token_time) if metrics else None, finished_at=finished_at, state=state,
         prompt_tokens=run.prompt_len, cached_tokens=run.cached_tokens, output_tokens=len(run.token_ids),
-        steps=len(metrics.token_times) if metrics else 0, finish_reason=finish_reason)
+        steps=len(metrics.token_times) if metrics else 0, finish_reason=finish_reason,
+        preemptions=metrics.num_preemptions if metrics else 0, draft_tokens=metrics.num_draft_tokens if metrics else 0,
+        accepted_tokens=metrics.num_accepted_tokens if metrics else 0)
 
 
 def usage(run: JobRun) -> Usage:

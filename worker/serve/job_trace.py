@@ -15,7 +15,7 @@ spans with explicit start and end times. Under the API's enqueue span (the job r
       intake          entry read -> started and prompt rendered (worker.serve.job_starts)
       admission       handed to the engine -> first scheduled
       prefill         first scheduled -> first token (prompt and cached tokens)
-      decode          first token -> end (tokens, steps)
+      decode          first token -> end (tokens, steps, preemptions, speculative proposals and acceptances)
       publish         the terminal write's round trip
 
 Attribute names follow OpenTelemetry's messaging and GenAI semantic conventions; Ferry's own
@@ -78,6 +78,9 @@ class AttemptTrace:
     output_tokens: int  # tokens generated in all, earlier attempts included
     steps: int  # engine steps that gave it tokens, this attempt
     finish_reason: str | None = None
+    preemptions: int = 0  # times the engine freed its KV for another request's, this attempt
+    draft_tokens: int = 0  # speculative proposals verified for it, this attempt (0: no speculation)
+    accepted_tokens: int = 0  # of those, the ones accepted
 
 
 @dataclass(slots=True)
@@ -174,8 +177,12 @@ class JobTracer:
                 "gen_ai.usage.input_tokens": job.prompt_tokens,
                 "gen_ai.usage.cache_read.input_tokens": job.cached_tokens})
         if job.first_token_at is not None:
-            self._phase(attempt, "decode", job.first_token_at, job.finished_at, {
-                "gen_ai.usage.output_tokens": job.output_tokens, "ferry.decode.steps": job.steps})
+            decode = {"gen_ai.usage.output_tokens": job.output_tokens, "ferry.decode.steps": job.steps,
+                      "ferry.decode.preemptions": job.preemptions}
+            if job.draft_tokens:
+                decode |= {"ferry.spec.draft_tokens": job.draft_tokens,
+                           "ferry.spec.accepted_tokens": job.accepted_tokens}
+            self._phase(attempt, "decode", job.first_token_at, job.finished_at, decode)
         self._phase(attempt, "publish", ended.published_at, ended.written_at)
         attempt.end(end_time=ns(ended.written_at))
 
