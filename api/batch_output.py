@@ -86,9 +86,11 @@ class BatchOutput:
         event = f"batch.{status}"
         stamp = datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
         body = json.dumps({"type": event, "timestamp": stamp, "data": batch_json(final)}, separators=(",", ":"))
+        # Its delivery attempts join the batch's trace (the batch keeps its request's context: api.tracing).
         await self.redis.xadd(self.keys.webhook_outbox, {"webhook_id": f"msg_{batch_id}_{status}", "job_id": batch_id,
                                                          "event": event, "url": raw["webhook_url"], "body": body,
-                                                         "tenant": raw["tenant"]})
+                                                         "tenant": raw["tenant"],
+                                                         "traceparent": raw.get("traceparent", "")})
 
     async def _concatenate(self, tenant: str, file_id: str, filename: str, names: list[str]) -> None:
         directory = Path(self.settings.upload_dir)

@@ -329,7 +329,7 @@ def test_one_trace_holds_the_api_the_worker_and_the_webhooks(tstack, otlp, recei
 
 @pytest.mark.redis
 @pytest.mark.timeout(300)
-def test_a_batch_is_one_trace_with_a_span_per_line(tstack, otlp):
+def test_a_batch_is_one_trace_with_a_span_per_line(tstack, otlp, receiver):  # noqa: F811
     batch_trace = "0af7651916cd43dd8448eb211c80319c"
     lines = b"".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": {
         "model": "tiny", "prompt": f"line {i}", "max_tokens": 3, "temperature": 0}}).encode() + b"\n" for i in range(3))
@@ -337,12 +337,14 @@ def test_a_batch_is_one_trace_with_a_span_per_line(tstack, otlp):
     uploaded = httpx.post(tstack.url + "/v1/files", headers=auth, files={"file": ("in.jsonl", lines)},
                           data={"purpose": "batch"}, timeout=30).json()
     batch = httpx.post(tstack.url + "/v1/batches", headers=_headers(batch_trace), timeout=30, json={
-        "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+        "input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h",
+        "webhook": {"url": receiver.base + "/batch"}}).json()
     wait_until(lambda: httpx.get(f"{tstack.url}/v1/batches/{batch['id']}", headers=auth).json()["status"]
                == "completed", 120, "the batch")
 
     def every_line_ran(spans: list[Span]) -> bool:
-        return sum(s.name == "process tiny" for s in spans) == 3 and sum(s.name == "send tiny" for s in spans) == 3
+        return (sum(s.name == "process tiny" for s in spans) == 3 and sum(s.name == "send tiny" for s in spans) == 3
+                and any(s.attributes.get("ferry.webhook.event") == "batch.completed" for s in spans))
 
     spans = _wait_for_spans(otlp, every_line_ran, batch_trace)
     created = _one(spans, "POST /v1/batches")
@@ -353,6 +355,8 @@ def test_a_batch_is_one_trace_with_a_span_per_line(tstack, otlp):
     assert sorted(r.parent_id for r in runs) == sorted(s.span_id for s in lines_sent)
     assert {s.attributes["messaging.message.id"] for s in lines_sent} == {
         r.attributes["messaging.message.id"] for r in runs}
+    webhook = _one(spans, "POST", **{"ferry.webhook.event": "batch.completed"})  # the batch's own webhook
+    assert webhook.parent_id == created.span_id and webhook.attributes["http.response.status_code"] == 200
 
 
 @pytest.mark.redis
