@@ -11,7 +11,8 @@ spans with explicit start and end times. Under the API's enqueue span (the job r
                       sent, within OTEL_BSP_SCHEDULE_DELAY, it survives a worker that dies with the job)
     process {model}   CONSUMER: queue entry read -> terminal write written; a resumed attempt
                       (attempt > 1, after a worker died or handed it back) links to the enqueue.
-                      An attempt whose worker died is never sent (a span is sent when it ends)
+                      An attempt whose worker died is never sent (a span is sent when it ends), nor
+                      one handed back by a drain (`forget`: its engine times went with the abort)
       intake          entry read -> started and prompt rendered (worker.serve.job_starts)
       admission       handed to the engine -> first scheduled
       prefill         first scheduled -> first token (prompt and cached tokens)
