@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.auth import tenant
@@ -51,6 +51,9 @@ router = APIRouter(prefix="/v1", tags=["openai"], route_class=OffLoopBodyRoute)
 
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
+# As on /v1/jobs: the same key with the same body answers from the same jobs, another body is a 409.
+# At most 252 characters: with a choice's "#15" (`choice_key`) it stays within /v1/jobs' 255.
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=252)]
 
 _PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
@@ -66,22 +69,36 @@ async def _cancel_quietly(svc: Services, job_id: str) -> None:
         await cancel_job(svc, job_id)
 
 
+def choice_key(idempotency_key: str | None, index: int) -> str | None:
+    """The idempotency key of a request's `index`-th job (one per choice): the request's own key
+    for the first, the key with the index for the others."""
+    if idempotency_key is None or index == 0:
+        return idempotency_key
+    return f"{idempotency_key}#{index}"
+
+
 async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_for: Callable[[str, int], Shape],
-                  stream: bool, include_usage: bool):
+                  stream: bool, include_usage: bool, idempotency_key: str | None = None):
     """Run the jobs (one per prompt; only a single job streams) and answer with one body whose
-    choices are theirs, in order. Any job's failure, a timeout or a client gone cancels them all."""
+    choices are theirs, in order. Any job's failure or a timeout cancels them all; so does the
+    client going away, unless the request has an Idempotency-Key: then its jobs go on, and the
+    client's retry with the same key answers from them (from their first event) instead of
+    starting new ones."""
     for job in jobs:
         await check_against_model(svc, job)
     reservations = await admit_jobs(svc, http.state, jobs[0].tenant, jobs)
     job_ids: list[str] = []
     try:
-        for job, reservation in zip(jobs, reservations, strict=True):
-            job_ids.append((await submit(svc, job, None, source="openai", reservation=reservation)).job_id)
+        for index, (job, reservation) in enumerate(zip(jobs, reservations, strict=True)):
+            key = choice_key(idempotency_key, index)
+            job_ids.append((await submit(svc, job, key, source="openai", reservation=reservation)).job_id)
     except BaseException:
         # A job that did not get in (a full queue: 429 queue_full) gave its tokens back in submit;
-        # the ones queued before it are cancelled (which gives theirs back), those after it never
-        # ran, and the request is refunded when none of its jobs was queued.
-        await _cancel_all(svc, job_ids)
+        # the ones queued before it are cancelled (which gives theirs back; with an Idempotency-Key
+        # they go on, for the retry to take up), those after it never ran, and the request is
+        # refunded when none of its jobs was queued.
+        if idempotency_key is None:
+            await _cancel_all(svc, job_ids)
         if reservations[0] is not None:  # one admission: every job's reservation names its budget
             unsent = sum(tokens for _, tokens in reservations[len(job_ids) + 1:])
             await refund(svc, jobs[0].tenant, (reservations[0][0], unsent), requests=int(not job_ids))
@@ -93,7 +110,8 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
     if stream:
         events = follow_events(svc.redis, svc.hub, svc.keys, job_ids[0], idle_s=_TICK_S,
                                resync_s=svc.settings.sse_keepalive_s)
-        return await _stream(svc, http, job_ids[0], events, shapes[0], include_usage, deadline_s)
+        return await _stream(svc, http, job_ids[0], events, shapes[0], include_usage, deadline_s,
+                             keep_on_disconnect=idempotency_key is not None)
     try:
         async with asyncio.timeout(deadline_s):
             ends = await asyncio.gather(*(_collect(svc, http, shape, job_id) for shape, job_id in zip(shapes, job_ids,
@@ -105,7 +123,8 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
         await _cancel_all(svc, job_ids)
         raise
     if any(end is None for end in ends):  # the client went away, or the process is shutting down
-        await _cancel_all(svc, job_ids)
+        if idempotency_key is None:
+            await _cancel_all(svc, job_ids)
         if svc.hub.stopping:
             raise ApiError(503, "shutting_down", "this server is shutting down; retry",
                            headers={"Retry-After": "1"})
@@ -162,7 +181,7 @@ async def _prime(events: AsyncIterator[list[Event] | None]) -> list[Event]:
 
 
 async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shape, include_usage: bool,
-                  deadline_s: float):
+                  deadline_s: float, keep_on_disconnect: bool = False):
     try:
         buffered = await _prime(events)
     except BaseException:
@@ -200,7 +219,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
         return []
 
     async def body():
-        finished, last_seq = False, -1
+        finished, last_seq, timed_out = False, -1, False
         last_write = time.monotonic()
         deadline = last_write + deadline_s
         try:
@@ -224,13 +243,16 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
                     yield resume_comment(job_id, last_seq)
                     break
                 if batch is None and time.monotonic() > deadline:
+                    timed_out = True
                     late = error_body(504, "timeout", "no result in time; the job was cancelled")
                     yield sse_json(late) + sse("[DONE]")
                     break
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
-            if not finished and not svc.hub.stopping:  # the client went away mid-stream, or the deadline passed
+            # The client went away mid-stream (its job goes on only for a retry with its
+            # Idempotency-Key), or the deadline passed.
+            if not finished and not svc.hub.stopping and not (keep_on_disconnect and not timed_out):
                 await _cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -242,7 +264,8 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
     responses=sse_200(CompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 503, 504),
     summary="Create a completion (OpenAI-compatible)",
 )
-async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
+async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_name: Tenant,
+                      idempotency_key: IdempotencyKey = None):
     model = await resolve_model(svc, body.model)
     jobs = completion_jobs(svc, tenant_name, model, body)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
@@ -251,7 +274,7 @@ async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_n
         return Shape(f"cmpl-{job_id}", model, int(jobs[0].created_at), chat=False, logprobs=body.logprobs is not None,
                      index=index, echo=jobs[index].prompt if body.echo else "")
 
-    return await _answer(svc, http, jobs, shape, body.stream, include_usage)
+    return await _answer(svc, http, jobs, shape, body.stream, include_usage, idempotency_key)
 
 
 @router.post(
@@ -260,7 +283,8 @@ async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_n
     responses=sse_200(ChatCompletionResponse) | error_responses(401, 404, 409, 413, 422, 429, 503, 504),
     summary="Create a chat completion (OpenAI-compatible)",
 )
-async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc, tenant_name: Tenant):
+async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc, tenant_name: Tenant,
+                           idempotency_key: IdempotencyKey = None):
     model = await resolve_model(svc, body.model)
     jobs = chat_jobs(svc, tenant_name, model, body)
     if len(jobs) > 1 and body.stream:
@@ -272,7 +296,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc,
         return Shape(f"chatcmpl-{job_id}", model, int(jobs[0].created_at), chat=True, logprobs=body.logprobs,
                      index=index, tools=tools)
 
-    return await _answer(svc, http, jobs, shape, body.stream, include_usage)
+    return await _answer(svc, http, jobs, shape, body.stream, include_usage, idempotency_key)
 
 
 @router.get("/models", response_model=ModelList, responses=error_responses(401),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -159,3 +161,46 @@ def test_errors_reach_the_client_as_openai_errors(stack, client):
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+
+
+def test_an_idempotency_key_answers_a_retry_from_the_same_jobs(client):
+    """As on /v1/jobs: the same key and body name the same jobs (every choice's), another body is a 409."""
+    key = {"Idempotency-Key": "retry-1"}
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, seed=3, temperature=1.0,
+                                           extra_headers=key)
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, seed=3, temperature=1.0,
+                                           extra_headers=key)
+    assert again.id == first.id
+    assert [c.message.content for c in again.choices] == [c.message.content for c in first.choices]
+    other = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, seed=3, temperature=1.0)
+    assert other.id != first.id
+    with pytest.raises(openai.ConflictError) as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7, extra_headers=key)
+    assert refused.value.body["code"] == "idempotency_conflict"
+
+
+def test_a_stream_left_with_an_idempotency_key_goes_on_for_the_retry(client, stack):
+    """A client that goes away mid-stream cancels its job, unless it sent an Idempotency-Key: then
+    the job runs on, and the retry streams it whole from its first event."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 24, "temperature": 0, "stream": True}
+    whole = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body) if c.choices)
+    with stack.client() as http:
+        with http.stream("POST", "/v1/chat/completions", json=body, headers={"Idempotency-Key": "left-1"}) as r:
+            assert r.status_code == 200
+            first_line = next(line for line in r.iter_lines() if line.startswith("data: "))
+        job_id = json.loads(first_line[len("data: "):])["id"].removeprefix("chatcmpl-")
+        # the connection is closed: without the key the API would now cancel the job
+        final = wait_job(http, job_id)
+    assert final["status"] == "succeeded", final
+    retried = client.chat.completions.create(**body, extra_headers={"Idempotency-Key": "left-1"})
+    chunks = list(retried)
+    assert chunks[0].id == f"chatcmpl-{job_id}"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+
+
+def wait_job(http, job_id: str) -> dict:
+    """The job once it is terminal: its event stream ends with its terminal event."""
+    with http.stream("GET", f"/v1/jobs/{job_id}/events") as events:
+        for _ in events.iter_lines():
+            pass
+    return http.get(f"/v1/jobs/{job_id}").json()
