@@ -18,6 +18,8 @@ import asyncio
 import json
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -31,6 +33,7 @@ from ferry.worker.protocol.fields import json_value_problem
 
 INLINE_BYTES = 32 << 10  # bodies up to this size are checked on the loop (well under a millisecond)
 NOT_JSON = "not json"  # what a check answers for a body that does not parse
+_PARENT_POLL_S = 1.0  # how often a checker process looks whether the API process is still there
 
 
 class BodyChecks:
@@ -38,7 +41,7 @@ class BodyChecks:
 
     def __init__(self, processes: int) -> None:
         self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=os.nice, initargs=(19,))
+                                         initializer=_checker_started, initargs=(os.getpid(),))
         self._pool.submit(int)  # start a process now: spawning one (Python, pydantic, Ferry's models) takes a second
 
     async def json_value_problem(self, body: bytes) -> tuple[str, str] | str | None:
@@ -51,6 +54,20 @@ class BodyChecks:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _checker_started(api_pid: int) -> None:
+    """In a checker process: the lowest CPU priority, and an exit once the API process is gone. A
+    pool's process holds both ends of its own task pipe, so it never reads an end of input: an API
+    process killed (kill -9, the OOM killer) would leave it waiting for ever (a test run left 67)."""
+    os.nice(19)
+
+    def watch() -> None:
+        while os.getppid() == api_pid:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _json_value_problem(body: bytes) -> tuple[str, str] | str | None:

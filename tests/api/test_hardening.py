@@ -650,3 +650,42 @@ def test_a_job_no_replica_confirms_is_a_503_never_a_silent_202(private):
         assert r.headers["Retry-After"]
     with app_on(private, models="tiny") as api:  # 0, the default: no WAIT
         assert api.post("/v1/jobs", json=body).status_code == 202
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process parents from /proc")
+def test_a_killed_api_leaves_no_body_checker_behind(tmp_path):
+    """The body checker (`ferry.api.offloop`) is a process of its own: an API process killed with
+    SIGKILL must not leave it running (it held both ends of its task pipe and waited for ever)."""
+    prefix = new_prefix()
+    proc, _ = start_api(REDIS_URL, prefix, tmp_path)
+    try:
+        wait_until(lambda: any("spawn_main" in open(f"/proc/{c}/cmdline").read() for c in _children(proc.popen.pid)),
+                   60, "the body checker to start", [proc])
+        checkers = {c for c in _children(proc.popen.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()}
+    finally:
+        proc.popen.kill()
+        proc.stop()
+        delete_prefix(prefix)
+    wait_until(lambda: all(_gone(c) for c in checkers), 30, "the body checkers to exit")
