@@ -178,7 +178,8 @@ class EngineLoop(Inbox):
                 return [self._fail(run, code, str(exc))]
             log.exception("engine refused a request", extra={"job_id": job.job_id})
             return [self._fail(run, code, f"{type(exc).__name__}: {exc}")]
-        log.info("job admitted", extra={"job_id": job.job_id, "attempt": job.attempts, "trace_id": job.trace_id,
+        traced = {"trace_id": job.trace_id} if job.trace_id is not None else {}
+        log.info("job admitted", extra={"job_id": job.job_id, "attempt": job.attempts, **traced,
                                         "prompt_tokens": len(job.prompt_ids), "resumed_tokens": len(resumed)})
         return []
 
