@@ -25,7 +25,7 @@ from tests.webhooks.receiver import slow_receiver  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
 
-SAMPLES = 30  # first tokens timed per phase: the p90 is the 27th
+SAMPLES = 60  # first tokens timed per phase: the p90 is the 54th (a few slow ones move it less)
 HUGE_LINE = (b'{"custom_id":"big","method":"POST","url":"/v1/completions","body":{"model":"' + MODEL.encode()
              + b'","prompt":[' + b"1," * 15_000_000 + b'1],"max_tokens":2}}')  # 15M token ids, 30 MB
 HEAVY_SCHEMAS = [  # each refused by the compile budget or compiled at the lowest CPU priority, never in the step
@@ -114,12 +114,15 @@ def test_a_hostile_tenant_never_stalls_a_normal_one(stack, slow_receiver):  # no
     with ThreadPoolExecutor(1) as pool:
         hostile = pool.submit(hostile_tenant, stack, slow_receiver.base, stop)
         slow_receiver.wait_for(1, timeout=60)  # the abuse is under way
+        # The normal tenant's batch completes while the abuse goes on; its TTFT is then measured
+        # apart from its own batch (whose lines would share its steps).
         normal_batch = create(b, [chat_line(f"b{i}", "hello", max_tokens=3) for i in range(6)])
+        done = wait_final(b, normal_batch.id, timeout=240)
         under_load = [first_token_s(b, i) for i in range(SAMPLES)]
+        assert not hostile.done(), "the hostile tenant stopped before the normal one was measured"
         stop.set()
         outcomes = hostile.result()
 
-    done = wait_final(b, normal_batch.id, timeout=240)
     assert done.status == "completed" and done.request_counts.completed == 6
     assert {"poisoned batch", "30 MB line", "slow-drip webhook"} <= set(outcomes)
     assert p90(under_load) <= 2 * p90(idle), (f"TTFT p90 {1000 * p90(under_load):.1f} ms under the hostile tenant, "
