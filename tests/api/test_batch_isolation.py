@@ -36,6 +36,16 @@ def create(client, lines: list, endpoint: str = "/v1/chat/completions"):
     return client.batches.create(input_file_id=upload(client, lines).id, endpoint=endpoint, completion_window="24h")
 
 
+def batch_below(client, lines: list, bound: str = "batch_8"):
+    """A batch of `lines` whose id sorts in the lower half of all ids: a batch made after it then
+    sorts after it at every other try (a first id near the top, `batch_f...`, left `batch_after`
+    a one-in-a-hundred chance per try)."""
+    for _ in range(40):
+        if (batch := create(client, lines)).id < bound:
+            return batch
+    raise AssertionError(f"no batch id below {bound} in 40 tries")
+
+
 def batch_after(client, lines: list, after: str):
     """A batch of `lines` whose id sorts after `after`: the driver advances it after that one (ids
     are random; the ones before it run too)."""
@@ -48,7 +58,7 @@ def batch_after(client, lines: list, after: str):
 @pytest.mark.parametrize("poison", list(POISONED.values()), ids=list(POISONED))
 def test_a_poisoned_line_never_holds_back_another_tenants_batch(istack, poison):
     with istack.client(KEY_A) as a, istack.client(KEY_B) as b:
-        poisoned = create(a, [chat_line("a1", "hi", max_tokens=2), poison, chat_line("a3", "hi", max_tokens=2)])
+        poisoned = batch_below(a, [chat_line("a1", "hi", max_tokens=2), poison, chat_line("a3", "hi", max_tokens=2)])
         normal = batch_after(b, [chat_line(f"b{i}", "hi", max_tokens=2) for i in range(3)], after=poisoned.id)
         done = wait_final(b, normal.id, timeout=120)
         assert done.status == "completed" and done.request_counts.completed == 3
