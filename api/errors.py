@@ -13,7 +13,6 @@ A request field Ferry does not implement, or an unknown one, is refused with the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -22,8 +21,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ferry.api.offloop import INLINE_BYTES, NOT_JSON
-from ferry.worker.protocol.fields import json_value_problem
+from ferry.api.offloop import INLINE_BYTES, NOT_JSON, body_json_problem, is_json_media
 
 log = logging.getLogger("ferry.api")
 
@@ -158,21 +156,8 @@ def _problem_response(problem: tuple[str, str] | str | None) -> JSONResponse | N
     return error_response(422, "invalid_request", f"{where}: {why}", None if where == "body" else where)
 
 
-def _json_problem_inline(body: bytes) -> tuple[str, str] | str | None:
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        return NOT_JSON
-    return json_value_problem(value)  # surrogates and non-finite numbers; the routes' models check depth
-
-
 def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether FastAPI reads the body as JSON: no content type, or application/json or */*+json."""
-    content_type = dict(headers).get(b"content-type")
-    if content_type is None:
-        return True
-    media = content_type.split(b";")[0].strip().lower()
-    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+    return is_json_media(dict(headers).get(b"content-type"))
 
 
 class BodyLimitMiddleware:
@@ -220,7 +205,7 @@ class BodyLimitMiddleware:
             # lowest CPU priority (`ferry.api.offloop`): one tenant's megabyte bodies must not stall the rest.
             checks = getattr(scope["app"].state, "body_checks", None)
             if len(body) <= INLINE_BYTES or checks is None:
-                refused = _problem_response(_json_problem_inline(bytes(body)))
+                refused = _problem_response(body_json_problem(bytes(body)))
             else:
                 refused = _problem_response(await checks.json_value_problem(bytes(body)))
         if refused is not None:

@@ -46,7 +46,7 @@ class BodyChecks:
 
     async def json_value_problem(self, body: bytes) -> tuple[str, str] | str | None:
         """`json_value_problem` of the parsed body, NOT_JSON, or None."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, _json_value_problem, body)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, body_json_problem, body)
 
     async def model_errors(self, model: type[BaseModel], body: bytes) -> list[dict] | str | None:
         """The errors `model` refuses the body with (FastAPI's shape), NOT_JSON, or None."""
@@ -70,7 +70,9 @@ def _checker_started(api_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _json_value_problem(body: bytes) -> tuple[str, str] | str | None:
+def body_json_problem(body: bytes) -> tuple[str, str] | str | None:
+    """`json_value_problem` of a body as bytes (surrogates, non-finite numbers; the routes' models
+    check depth), NOT_JSON when it does not parse."""
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):
@@ -118,6 +120,14 @@ def _validated(model: type[BaseModel], body: bytes) -> Any:
     return model.model_validate(json.loads(body))
 
 
+def is_json_media(content_type: bytes | None) -> bool:
+    """Whether FastAPI reads a body of this content type as JSON: none, application/json or */*+json."""
+    if content_type is None:
+        return True
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
 def _is_json(request: Request) -> bool:
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+    content_type = request.headers.get("content-type")
+    return is_json_media(content_type.encode("latin-1") if content_type is not None else None)
