@@ -1,0 +1,182 @@
+"""OpenAI's Responses API through the real stack (API + worker on a random-weight model) with the
+official `openai` client: answers equal chat completions' on the same conversation, streams carry
+gapless typed events, background responses are jobs that outlive their client and resume their
+stream from a sequence number, and a conversation chains through previous_response_id."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.api.conftest import KEY_A, KEY_B, MODEL
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
+
+GREEDY = {"temperature": 0.0}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+          "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                         "required": ["city"]}}]
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def chat_answer(client, messages: list[dict], max_tokens: int) -> tuple[str, int]:
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, **GREEDY)
+    return r.choices[0].message.content, r.usage.prompt_tokens
+
+
+def events_of(stream) -> list:
+    return list(stream)
+
+
+def check_gapless(events, start: int = 0) -> None:
+    assert [e.sequence_number for e in events] == list(range(start, start + len(events)))
+
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation(client):
+    r = client.responses.create(model=MODEL, input="Tell me about ships", instructions="Be brief.",
+                                max_output_tokens=12, **GREEDY)
+    text, prompt_tokens = chat_answer(client, [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Tell me about ships"}], 12)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.output_text == text
+    assert r.instructions == "Be brief."
+    assert r.usage.input_tokens == prompt_tokens and r.usage.output_tokens <= 12
+    assert r.status == ("incomplete" if r.usage.output_tokens == 12 else "completed")
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    # Stored: it reads back the same.
+    again = client.responses.retrieve(r.id)
+    assert again.output_text == text and again.status == r.status
+
+
+def test_a_stream_is_gapless_typed_events_that_add_up_to_the_answer(client):
+    events = events_of(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=10, stream=True,
+                                               **GREEDY))
+    check_gapless(events)
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == deltas
+    assert deltas == chat_answer(client, [{"role": "user", "content": "Hello there"}], 10)[0]
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert [d.text for d in done] == [deltas]
+    assert client.responses.retrieve(final.id).output_text == deltas
+
+
+def test_a_background_response_is_queued_then_read_back_and_its_stream_resumes(client):
+    created = client.responses.create(model=MODEL, input="Once upon a time", max_output_tokens=24, background=True,
+                                      **GREEDY)
+    assert created.status in ("queued", "in_progress") and created.background
+    # Follow its stream for a few events, drop the connection, and pick the stream up where it was.
+    first_part = []
+    with client.responses.retrieve(created.id, stream=True) as stream:
+        for event in stream:
+            first_part.append(event)
+            if event.type == "response.output_text.delta" or len(first_part) > 6:
+                break
+    resumed_at = first_part[-1].sequence_number
+    rest = events_of(client.responses.retrieve(created.id, stream=True, starting_after=resumed_at))
+    check_gapless(first_part + rest)
+    whole = events_of(client.responses.retrieve(created.id, stream=True))
+    assert [e.model_dump() for e in whole] == [e.model_dump() for e in first_part + rest]
+    final = client.responses.retrieve(created.id)
+    assert final.status in ("completed", "incomplete")
+    assert final.output_text == "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    assert final.output_text == chat_answer(client, [{"role": "user", "content": "Once upon a time"}], 24)[0]
+
+
+def test_previous_response_id_chains_the_conversation(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=8, **GREEDY)
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=8, **GREEDY)
+    expected, _ = chat_answer(client, [{"role": "user", "content": "My name is Ada."},
+                                       {"role": "assistant", "content": first.output_text},
+                                       {"role": "user", "content": "What is my name?"}], 8)
+    assert second.output_text == expected
+    assert second.previous_response_id == first.id
+
+
+def test_an_unstored_response_cannot_be_read_or_chained(client):
+    r = client.responses.create(model=MODEL, input="secret", max_output_tokens=4, store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model=MODEL, input="again", previous_response_id=r.id, max_output_tokens=4)
+    assert info.value.body["code"] == "previous_response_not_found"
+
+
+def test_another_tenant_never_sees_a_response(client, stack):
+    r = client.responses.create(model=MODEL, input="mine", max_output_tokens=4, **GREEDY)
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_B, max_retries=0) as other:
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.create(model=MODEL, input="x", previous_response_id=r.id, max_output_tokens=4)
+
+
+def test_cancel_and_delete(client):
+    live = client.responses.create(model=MODEL, input="a", max_output_tokens=4, **GREEDY)
+    with pytest.raises(openai.ConflictError):
+        client.responses.cancel(live.id)  # only a background response can be cancelled
+    queued = client.responses.create(model=MODEL, input="Write a long story", max_output_tokens=2000,
+                                     background=True, **GREEDY)
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    stream = events_of(client.responses.retrieve(queued.id, stream=True))
+    check_gapless(stream)
+    assert stream[-1].type == "response.cancelled"
+    client.responses.delete(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(queued.id)
+
+
+def test_a_required_tool_call_is_a_function_call_item_streamed_in_pieces(client):
+    events = events_of(client.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS,
+                                               tool_choice="required", max_output_tokens=120, stream=True, **GREEDY))
+    check_gapless(events)
+    final = events[-1].response
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and c.call_id.startswith("call_") for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), TOOLS[0]["parameters"])
+        pieces = [e.delta for e in events
+                  if e.type == "response.function_call_arguments.delta" and e.item_id == call.id]
+        assert "".join(pieces) == call.arguments
+    # The call's result goes back as the next turn's input.
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=final.id, max_output_tokens=6, **GREEDY,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert answer.status in ("completed", "incomplete")
+
+
+def test_a_json_schema_format_shapes_the_output(client):
+    r = client.responses.create(model=MODEL, input="Where?", max_output_tokens=60, **GREEDY,
+                                text={"format": {"type": "json_schema", "name": "place", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "place"
+
+
+@pytest.mark.parametrize("field, value", [("include", ["reasoning.encrypted_content"]), ("truncation", "auto"),
+                                          ("top_logprobs", 2), ("service_tier", "flex"), ("not_a_field", 1)])
+def test_a_field_ferry_does_not_implement_is_refused_by_name(client, field, value):
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.responses.create(model=MODEL, input="x", max_output_tokens=2, extra_body={field: value})
+    assert info.value.body["code"] == "unsupported_parameter" and field in info.value.body["message"]
+
+
+def test_an_unknown_model_and_a_bad_input_item_are_clear_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input="x")
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.responses.create(model=MODEL, input=[{"type": "input_image", "image_url": "http://x/y.png"}])
