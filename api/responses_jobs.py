@@ -153,5 +153,5 @@ async def response_job(svc: Services, tenant_name: str, model: str, body: Respon
                         previous_response_id=body.previous_response_id, metadata=body.metadata or {},
                         format_name=text_format.name if text_format is not None else None,
                         user=body.user or body.safety_identifier)
-    return new_job_request(svc, tenant_name, model, fields, priority=lane(body.priority),
+    return new_job_request(svc, tenant_name, model, fields, priority=lane(body.priority), webhook=body.webhook,
                            metadata={"api": "responses", "responses": asdict(meta)})

@@ -59,7 +59,7 @@ def shell(job_id: str, request: JobRequest, meta: ResponseMeta, status: str) -> 
         "text": {"format": _text_format(request, meta)}, "tool_choice": _tool_choice(request),
         "tools": [{"type": "function", "name": t.function.name, "description": t.function.description,
                    "parameters": t.function.parameters, "strict": t.function.strict} for t in request.tools or []],
-        "truncation": "disabled", "usage": None, "user": meta.user, "metadata": meta.metadata,
+        "truncation": "disabled", "usage": None, "user": meta.user, "metadata": meta.metadata, "completed_at": None,
     }
 
 
@@ -79,9 +79,10 @@ def call_item(job_id: str, index: int, call: ToolCall, status: str = "completed"
 
 
 def _ended(response: dict, state: JobState, finish_reason: str | None, usage: Usage | None,
-           error: tuple[str, str] | None) -> dict:
+           error: tuple[str, str] | None, finished_at: float | None) -> dict:
     """`response` with its end: status, why it is incomplete, its error, its usage."""
     status = _STATUS[state]
+    response["completed_at"] = int(finished_at) if finished_at is not None and state == JobState.succeeded else None
     if state == JobState.succeeded and finish_reason == "length":
         status, response["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
     if error is not None:
@@ -106,7 +107,7 @@ def response_object(record: JobRecord, meta: ResponseMeta) -> dict:
             response["output"].append(message_item(f"msg_{record.id}", text, status))
         response["output"] += [call_item(record.id, i, c) for i, c in enumerate(record.tool_calls or [])]
     error = (record.error_code, record.error_message or "") if record.error_code else None
-    return _ended(response, record.state, record.finish_reason, record.usage, error)
+    return _ended(response, record.state, record.finish_reason, record.usage, error, record.finished_at)
 
 
 class ResponseEvents:
@@ -225,7 +226,28 @@ class ResponseEvents:
         out = self._close("incomplete" if length else "completed" if state == JobState.succeeded else "incomplete")
         error = (event.code, event.message) if event.type in ("failed", "timed_out") else None
         response = _ended(self.response, state, getattr(event, "finish_reason", None), getattr(event, "usage", None),
-                          error)
+                          error, event.ts)
         kind = {"completed": "response.incomplete" if length else "response.completed", "failed": "response.failed",
                 "timed_out": "response.failed", "cancelled": "response.cancelled"}[event.type]
         return out + [self._event(kind, response=response)]
+
+
+def input_items(record: JobRecord, meta: ResponseMeta) -> list[dict]:
+    """The items the response's model read, oldest first (a chained response's include the conversation
+    before it; instructions are the Response's own field, not an item)."""
+    messages = record.request.messages or []
+    messages = messages[1:] if meta.instructions else messages
+    items: list[dict] = []
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            items.append({"type": "function_call_output", "id": f"fco_{record.id}_{i}", "status": "completed",
+                          "call_id": message.tool_call_id, "output": message.text})
+            continue
+        if message.content is not None:
+            kind = "output_text" if message.role == "assistant" else "input_text"
+            items.append({"type": "message", "id": f"msg_{record.id}_in{i}", "status": "completed",
+                          "role": message.role, "content": [{"type": kind, "text": message.text}]})
+        items += [{"type": "function_call", "id": f"fc_{record.id}_in{i}_{j}", "status": "completed",
+                   "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments}
+                  for j, call in enumerate(message.tool_calls or [])]
+    return items

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from ferry.api.schemas import check_body_json
-from ferry.worker.protocol import Priority, StructuredOutputsRequest
+from ferry.worker.protocol import Priority, StructuredOutputsRequest, Webhook
 from ferry.worker.protocol.fields import ModelName, sampling_annotation
 from ferry.worker.protocol.jobs import JOB_ID_PATTERN
 from ferry.worker.protocol.sampling import LIMITS
@@ -186,6 +186,8 @@ class ResponseCreate(BaseModel):
     safety_identifier: str | None = None
     priority: Priority | Annotated[int, Strict()] = Field(
         default=Priority.normal, description="Ferry's: the queue lane (high, normal, low), or vLLM's integer")
+    webhook: Webhook | None = Field(default=None, description="Ferry's: signed job webhooks (job.completed, ...) "
+                                    "for this response's job, as on /v1/jobs")
     include: list[str] | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
@@ -24,7 +24,7 @@ from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_responses import job_error
 from ferry.api.ratelimit import admit_jobs
 from ferry.api.responses_jobs import ResponseMeta, job_id_of, response_id, response_job
-from ferry.api.responses_render import ResponseEvents, response_object
+from ferry.api.responses_render import ResponseEvents, input_items, response_object
 from ferry.api.responses_schemas import RESPONSE_ID_PATTERN, ResponseCreate
 from ferry.api.routes.jobs import wait_until_terminal
 from ferry.api.schemas import error_responses
@@ -179,6 +179,31 @@ async def read_response(
         after = -1 if starting_after is None else starting_after
         return _stream(svc, record.id, record.request, meta, after, cancel_on_disconnect=False)
     return JSONResponse(response_object(record, meta))
+
+
+@router.get("/{ident}/input_items", responses=error_responses(401, 404, 422),
+            summary="The items a response's model read (a page of them)")
+async def list_input_items(
+    ident: ResponseId, svc: Svc, tenant_name: Tenant,
+    after: Annotated[str | None, Query(max_length=300, description="an item id: the items after it")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Annotated[Literal["asc", "desc"], Query(description="desc (newest first, the default) or asc")] = "desc",
+    include: Annotated[list[str] | None, Query(description="not supported")] = None,
+):
+    if include:
+        raise unsupported("include", "not supported (no extra item data is available)")
+    record, meta = await _stored(svc, ident, tenant_name)
+    items = input_items(record, meta)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(422, "invalid_request", f"after: {after!r} is not an item of this response", field="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 @router.post("/{ident}/cancel", responses=error_responses(401, 404, 409, 422),

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.api.conftest import KEY_A, KEY_B, MODEL
+from tests.api.conftest import KEY_A, KEY_B, MODEL, Proc, api_keys_setting, free_port, stack_env, wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
@@ -180,3 +181,52 @@ def test_an_unknown_model_and_a_bad_input_item_are_clear_errors(client):
         client.responses.create(model="no-such-model", input="x")
     with pytest.raises(openai.UnprocessableEntityError):
         client.responses.create(model=MODEL, input=[{"type": "input_image", "image_url": "http://x/y.png"}])
+
+
+def test_input_items_list_what_the_model_read(client):
+    first = client.responses.create(model=MODEL, input="One", instructions="Be kind.", max_output_tokens=3, **GREEDY)
+    second = client.responses.create(model=MODEL, input="Two", previous_response_id=first.id, max_output_tokens=3,
+                                     **GREEDY)
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert [i.content[0].text for i in items] == ["One", first.output_text, "Two"]
+    newest_first = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in newest_first.data] == [items[2].id, items[1].id] and newest_first.has_more
+
+
+def test_a_background_response_webhook_is_signed_and_delivered(client, receiver):
+    r = client.responses.create(model=MODEL, input="ping", max_output_tokens=3, background=True, **GREEDY,
+                                extra_body={"webhook": {"url": receiver.base + "/responses",
+                                                        "events": ["job.completed"]}})
+    [delivery] = receiver.wait_for(1, path="/responses")
+    body = delivery.json()
+    assert body["type"] == "job.completed" and "resp_" + body["data"]["id"] == r.id
+    assert body["data"]["output"]["text"] == client.responses.retrieve(r.id).output_text
+
+
+def test_a_background_stream_resumes_on_another_api_process_after_its_own_was_killed(client, stack, tmp_path):
+    port = free_port()
+    env = stack_env(stack.prefix, tmp_path, FERRY_API_KEYS=api_keys_setting())
+    doomed = Proc("api-doomed", ["api", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path)
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200, 60, "the second API",
+                   [doomed])
+        first_part = []
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY_A, max_retries=0) as other:
+            stream = other.responses.create(model=MODEL, input="A tale of two APIs", max_output_tokens=30,
+                                            background=True, stream=True, **GREEDY)
+            for event in stream:
+                first_part.append(event)
+                if event.type == "response.output_text.delta":
+                    break
+            doomed.popen.kill()  # SIGKILL mid-stream: the API process is gone, the job is not
+            doomed.popen.wait()
+    finally:
+        doomed.stop()
+    rest = events_of(client.responses.retrieve(first_part[0].response.id, stream=True,
+                                               starting_after=first_part[-1].sequence_number))
+    check_gapless(first_part + rest)
+    text = "".join(e.delta for e in first_part + rest if e.type == "response.output_text.delta")
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    assert text == rest[-1].response.output_text
+    assert text == chat_answer(client, [{"role": "user", "content": "A tale of two APIs"}], 30)[0]
