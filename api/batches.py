@@ -30,13 +30,16 @@ from ferry.api.errors import ApiError, error_body, unsupported, validation_answe
 from ferry.api.openai_jobs import chat_jobs, completion_jobs
 from ferry.api.openai_responses import Shape, job_error
 from ferry.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from ferry.api.responses_jobs import ResponseMeta, response_request
+from ferry.api.responses_render import response_object
+from ferry.api.responses_schemas import ResponseCreate
 from ferry.api.services import ModelLimits, Services, model_limits, resolve_model
 from ferry.worker.common.objectstore import ObjectStore
 from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority, UnreadableRecord
 from ferry.worker.protocol.fields import MAX_JSON_DEPTH, json_problem, nested_deeper_than
 
 BATCH_ID_PATTERN = r"^batch_[0-9a-f]{32}$"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 WINDOW_S = {"24h": 86400.0}
 FINAL = ("completed", "failed", "expired", "cancelled")
 MAX_REPORTED_ERRORS = 1000  # line errors kept on a batch that fails validation
@@ -235,34 +238,47 @@ def build_line(svc: Services, tenant: str, batch_id: str, endpoint: str, envelop
     if body.get("stream"):
         raise unsupported("stream", "a batch line is answered whole")
     try:
-        chat = endpoint == "/v1/chat/completions"
-        request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
-        route = routes.get(request.model) or ApiError(404, "model_not_found", f"model {request.model!r} is not served")
-        if isinstance(route, ApiError):
-            raise route
-        if chat:
-            if request.logprobs:
-                raise unsupported("logprobs", "not supported in batch lines")
-            jobs = chat_jobs(svc, tenant, route.model, request)
-            if len(jobs) != 1:
-                raise unsupported("n", "one choice per batch line")
-        else:
-            if request.logprobs is not None:
-                raise unsupported("logprobs", "not supported in batch lines")
-            jobs = completion_jobs(svc, tenant, route.model, request)
-            if len(jobs) != 1:
-                raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
+        request, route, job = _line_job(svc, tenant, endpoint, body, routes)
     except (ValidationError, RequestValidationError) as exc:
         raise _invalid(exc.errors()) from None
-    job = jobs[0]
     if route.limits is not None and isinstance(job.prompt, list) and len(job.prompt) >= route.limits.max_model_len:
         raise ApiError(422, "prompt_too_long", f"prompt has {len(job.prompt)} tokens; max_model_len is "
                        f"{route.limits.max_model_len}")
-    echo = {"echo": True} if not chat and request.echo else {}  # completions' echo: the prompt before the text
+    # completions' echo: the prompt before the text
+    echo = {"echo": True} if isinstance(request, CompletionRequest) and request.echo else {}
     metadata = {**job.metadata, "batch_id": batch_id, "custom_id": envelope.custom_id} | echo
     job = job.model_copy(update={"priority": Priority.low, "ttl_s": max(ttl_s, 1.0), "metadata": metadata,
                                  "created_at": time.time()})
     return Line(envelope.number, envelope.custom_id, job)
+
+
+def _line_job(svc: Services, tenant: str, endpoint: str, body: dict,
+              routes: dict[str | None, Route | ApiError]) -> tuple[Any, Route, JobRequest]:
+    """(the parsed body, its model's route, its one job), as the live route builds them."""
+    schema = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+              "/v1/responses": ResponseCreate}[endpoint]
+    request = schema.model_validate(body)
+    route = routes.get(request.model) or ApiError(404, "model_not_found", f"model {request.model!r} is not served")
+    if isinstance(route, ApiError):
+        raise route
+    if isinstance(request, ResponseCreate):
+        for name in ("background", "previous_response_id"):
+            if getattr(request, name):
+                raise unsupported(name, "not in batch lines (a line runs in its batch, from its own input)")
+        return request, route, response_request(svc, tenant, route.model, request)
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs:
+            raise unsupported("logprobs", "not supported in batch lines")
+        jobs = chat_jobs(svc, tenant, route.model, request)
+        if len(jobs) != 1:
+            raise unsupported("n", "one choice per batch line")
+        return request, route, jobs[0]
+    if request.logprobs is not None:
+        raise unsupported("logprobs", "not supported in batch lines")
+    jobs = completion_jobs(svc, tenant, route.model, request)
+    if len(jobs) != 1:
+        raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
+    return request, route, jobs[0]
 
 
 def _invalid(errors: list[dict]) -> ApiError:
@@ -299,6 +315,10 @@ class JobEnd:
 
 def output_line(record: JobRecord, custom_id: str, chat: bool, echo: str) -> tuple[bool, str]:
     """(succeeded, the JSONL line) for a finished line's job."""
+    meta = ResponseMeta.of(record)
+    if meta is not None and record.state == JobState.succeeded:  # a /v1/responses line: the Response object
+        response = {"status_code": 200, "request_id": record.id, "body": response_object(record, meta)}
+        return True, _jsonl({"id": request_id(record.id), "custom_id": custom_id, "response": response, "error": None})
     if record.state == JobState.succeeded:
         prefix = "chatcmpl" if chat else "cmpl"
         tools = record.tool_calls is not None  # a chat with tools: content and calls parsed by the worker

@@ -10,6 +10,7 @@ expires with its job.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -134,10 +135,18 @@ def check_supported(body: ResponseCreate) -> None:
 async def response_job(svc: Services, tenant_name: str, model: str, body: ResponseCreate) -> JobRequest:
     """The job that answers `body`."""
     check_supported(body)
-    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    before = []
     if body.previous_response_id is not None:
-        messages += await conversation_before(svc, tenant_name, body.previous_response_id)
-    messages += input_messages(body.input)
+        before = await conversation_before(svc, tenant_name, body.previous_response_id)
+    return response_request(svc, tenant_name, model, body, before)
+
+
+def response_request(svc: Services, tenant_name: str, model: str, body: ResponseCreate,
+                     before: Sequence[Message] = ()) -> JobRequest:
+    """The job that answers `body` after the conversation `before` (a previous response's)."""
+    check_supported(body)
+    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    messages += [*before, *input_messages(body.input)]
     fields: dict[str, Any] = {"messages": messages, **_tool_fields(body)}
     for name in ("temperature", "top_p"):
         if getattr(body, name) is not None:

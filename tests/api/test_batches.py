@@ -295,3 +295,26 @@ def test_finished_batches_send_signed_webhooks(bstack, client, receiver):  # noq
         assert payload["type"] == event and payload["data"]["id"] == batch_id
         assert payload["data"]["status"] == event.removeprefix("batch.")
         assert got.headers["webhook-id"] == f"msg_{batch_id}_{event.removeprefix('batch.')}"
+
+
+def test_responses_lines_answer_as_the_live_responses_route(client):
+    def line(custom_id: str, **body) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+                "body": {"model": MODEL, "max_output_tokens": 5, "temperature": 0, **body}}
+
+    lines = [line("plain", input="Say hi"), line("told", input="Say hi", instructions="Shout."),
+             line("chained", input="x", previous_response_id="resp_0123abc")]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/responses",
+                                  completion_window="24h")
+    done = wait_final(client, batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 2, 1)
+    by_id = {o["custom_id"]: o for o in read_jsonl(client, done.output_file_id) + read_jsonl(client,
+                                                                                            done.error_file_id)}
+    for custom_id in ("plain", "told"):
+        body = by_id[custom_id]["response"]["body"]
+        live = client.responses.create(**{k: v for k, v in lines[0 if custom_id == "plain" else 1]["body"].items()})
+        text = "".join(part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"])
+        assert body["object"] == "response" and text == live.output_text
+        assert client.responses.retrieve(body["id"]).output_text == live.output_text  # a line's response is stored
+    refused = by_id["chained"]["response"]
+    assert refused["status_code"] == 422 and refused["body"]["error"]["code"] == "unsupported_parameter"
