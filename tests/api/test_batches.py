@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import time
+import uuid
 
 import httpx
 import openai
@@ -318,3 +319,24 @@ def test_responses_lines_answer_as_the_live_responses_route(client):
         assert client.responses.retrieve(body["id"]).output_text == live.output_text  # a line's response is stored
     refused = by_id["chained"]["response"]
     assert refused["status_code"] == 422 and refused["body"]["error"]["code"] == "unsupported_parameter"
+
+
+def test_an_idempotency_key_makes_one_batch_for_every_retry(bstack, client):
+    file_id = upload(client, [chat_line("a", "hi")]).id
+    key = {"Idempotency-Key": f"nightly-{uuid.uuid4().hex}"}
+    first = client.batches.with_raw_response.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h", extra_headers=key)
+    retry = client.batches.with_raw_response.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h", extra_headers=key)
+    assert retry.parse().id == first.parse().id
+    assert retry.headers.get("idempotent-replayed") == "true" and "idempotent-replayed" not in first.headers
+    with pytest.raises(openai.ConflictError) as info:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"other": "body"}, extra_headers=key)
+    assert info.value.body["code"] == "idempotency_conflict"
+    # The key is the caller's own: another tenant's same key makes its own batch.
+    with bstack.client(KEY_B) as other:
+        theirs = other.batches.create(input_file_id=upload(other, [chat_line("b", "hi")]).id,
+                                      endpoint="/v1/chat/completions", completion_window="24h", extra_headers=key)
+    assert theirs.id != first.parse().id
+    assert wait_final(client, first.parse().id).request_counts.completed == 1
