@@ -30,6 +30,7 @@ from ferry.worker.engine.resume import Resume
 from ferry.worker.engine.sampler import advance_generator
 from ferry.worker.engine.sampling_params import SamplingParams
 from ferry.worker.engine.structured import GrammarState, StructuredOutputManager
+from ferry.worker.engine.structured.reasoning import ReasoningGate
 
 
 class InputProcessor:
@@ -69,8 +70,11 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the token ids must be this model's."""
+        start = [] if params.reasoning_start_token_id is None else [params.reasoning_start_token_id]
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("reasoning_end_token_ids", params.reasoning_end_token_ids or []),
+                          ("reasoning_start_token_id", start)):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise InvalidSamplingParams(
@@ -125,7 +129,9 @@ class InputProcessor:
         ended = request.length_reached(self.max_model_len)
         detokenizer = self._detokenizer(request, resume, ended)
         if params.structured_outputs is not None and not ended:  # its matcher advances over the resumed tokens
-            request.grammar = GrammarState(self.structured.compile(params.structured_outputs))
+            gate = None if params.reasoning_end_token_ids is None else ReasoningGate(
+                tuple(params.reasoning_end_token_ids), params.reasoning_start_token_id)
+            request.grammar = GrammarState(self.structured.compile(params.structured_outputs), gate)
         return request, detokenizer
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

@@ -55,13 +55,19 @@ class SamplingParams:
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
     # A grammar the output must match (JSON schema, regex, choice, EBNF); a dict of its fields is accepted too.
     structured_outputs: StructuredOutputs | None = None
+    # A reasoning model's grammar applies to its answer only (worker.engine.structured.reasoning): from
+    # the token after the output has generated these in a row (the model's `</think>`); None: from the first.
+    reasoning_end_token_ids: list[int] | None = None
+    # With reasoning_end_token_ids: only an output whose first token is this one (`<think>`'s) thinks; the
+    # first token may be it or one the grammar allows. None: every output thinks first.
+    reasoning_start_token_id: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):  # a bare string is a list of one
             if isinstance(getattr(self, name), str):
                 setattr(self, name, [getattr(self, name)])
-        for name in ("stop", "stop_token_ids", "bad_words", "allowed_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words", "allowed_token_ids", "reasoning_end_token_ids"):
             if isinstance(getattr(self, name), tuple):
                 setattr(self, name, list(getattr(self, name)))
         self.validate()
@@ -87,6 +93,9 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputs | dict):
             raise InvalidSamplingParams(f"invalid structured_outputs={_short(so)}: must be a StructuredOutputs")
+        problem = _reasoning_problem(self.reasoning_end_token_ids, self.reasoning_start_token_id)
+        if problem is not None:
+            raise InvalidSamplingParams(problem)
         problem = combination_problem(self.min_tokens, self.max_tokens, so is not None)
         if problem is not None:
             raise InvalidSamplingParams(problem)
@@ -105,6 +114,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _reasoning_problem(end: list[int] | None, start: int | None) -> str | None:
+    def token_id(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if end is not None and not (isinstance(end, list) and end and all(token_id(t) for t in end)):
+        return f"invalid reasoning_end_token_ids={_short(end)}: must be a non-empty list of token ids"
+    if start is not None and not token_id(start):
+        return f"invalid reasoning_start_token_id={_short(start)}: must be a token id"
+    if start is not None and end is None:
+        return "reasoning_start_token_id needs reasoning_end_token_ids"
+    return None
 
 
 def _short(value) -> str:

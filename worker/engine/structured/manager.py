@@ -43,6 +43,7 @@ from ferry.worker.engine.errors import InvalidStructuredOutputError
 from ferry.worker.engine.structured.compile_process import CompileProcess
 from ferry.worker.engine.structured.grammars import compile_source, tokenizer_info
 from ferry.worker.engine.structured.params import StructuredOutputs
+from ferry.worker.engine.structured.reasoning import ANSWER, THINKING, UNDECIDED, ReasoningGate
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,15 @@ MAX_GRAMMAR_BYTES = 64 << 20  # a compiled grammar's memory (xgrammar's count); 
 
 class GrammarState:
     """One request's grammar: the compile it waits for, then its matcher, which has accepted
-    exactly the request's output tokens so far."""
+    exactly the request's answer tokens so far: its output tokens, less any thinking a
+    `ReasoningGate` keeps the grammar off (worker.engine.structured.reasoning)."""
 
-    __slots__ = ("compiled", "matcher")
+    __slots__ = ("compiled", "matcher", "gate")
 
-    def __init__(self, compiled: Future) -> None:
+    def __init__(self, compiled: Future, gate: ReasoningGate | None = None) -> None:
         self.compiled = compiled  # Future[xgr.CompiledGrammar]
         self.matcher: xgr.GrammarMatcher | None = None  # set on the engine thread once compiled
+        self.gate = gate  # None: the grammar applies from the first output token
 
     @property
     def ready(self) -> bool:
@@ -77,16 +80,18 @@ class GrammarState:
             log.error("grammar compile failed", exc_info=exc)
             raise InvalidStructuredOutputError("structured_outputs could not be compiled (an internal error; the "
                                                "worker's log has it)") from exc
-        matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgr.GrammarMatcher(compiled)
         for i, token in enumerate(output_token_ids):
-            if matcher.is_terminated() or not matcher.accept_token(token):
+            if not self.accept(token):
+                self.matcher = None
                 raise InvalidStructuredOutputError(
                     f"output token {i} (id {token}) does not match the request's structured_outputs"
                 )
-        self.matcher = matcher
 
     def accept(self, token: int) -> bool:
         """Advance over a generated token; False if the grammar does not allow it."""
+        if self.gate is not None and self.gate.state != ANSWER and self.gate.advance([token]):
+            return True  # thinking
         return not self.matcher.is_terminated() and self.matcher.accept_token(token)
 
     @property
@@ -95,29 +100,48 @@ class GrammarState:
         return self.matcher.is_terminated()
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of `token_ids` the grammar allows next (the matcher is left as it was)."""
+        """How many leading tokens of `token_ids` the grammar allows next (the state is left as it was)."""
+        thinking = self.gate.split(token_ids)[0] if self.gate is not None else 0
+        return thinking + self._answer_prefix(token_ids[thinking:])
+
+    def _answer_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading `token_ids` the matcher allows next (it is left as it was)."""
         n = 0
         for token in token_ids:
-            if not self.accept(token):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
                 break
             n += 1
         if n:
             self.matcher.rollback(n)
         return n
 
-    def fill(self, bitmask: torch.Tensor, row: int, extra: Sequence[int]) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int, extra: Sequence[int]) -> bool:
         """Write into bitmask[row] the tokens allowed after the output so far plus `extra`
-        (proposals assumed accepted); the matcher is left as it was."""
-        n = self.valid_prefix(extra)  # (rolls back itself)
-        if n != len(extra):
-            raise InvalidStructuredOutputError(f"proposed token {extra[n]} does not match the grammar")
-        for token in extra:
+        (proposals assumed accepted); the state is left as it was. False when the row is not
+        to be masked: the output is thinking then."""
+        thinking, state = self.gate.split(extra)[:2] if self.gate is not None else (0, ANSWER)
+        if state == THINKING:
+            return False
+        answer = extra[thinking:]
+        n = self._answer_prefix(answer)
+        if n != len(answer):
+            raise InvalidStructuredOutputError(f"proposed token {answer[n]} does not match the grammar")
+        for token in answer:
             self.matcher.accept_token(token)
         try:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         finally:
-            if extra:
-                self.matcher.rollback(len(extra))
+            if answer:
+                self.matcher.rollback(len(answer))
+        if state == UNDECIDED:  # the first token may also open the thinking
+            word, bit = divmod(self.gate.start_token_id, 32)
+            bitmask[row, word] |= bit_value(bit)
+        return True
+
+
+def bit_value(bit: int) -> int:
+    """The int32 whose only set bit is `bit` (xgrammar's bitmasks are int32 words)."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 class StructuredOutputManager:
@@ -229,8 +253,8 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState,
     masked = []
     for row, grammar, extra in rows:
         try:
-            grammar.fill(bitmask, row, extra)
-            masked.append(row)
+            if grammar.fill(bitmask, row, extra):
+                masked.append(row)
         except InvalidStructuredOutputError as exc:  # this request's grammar state: it fails alone
             failed[row] = str(exc)
         except Exception as exc:
