@@ -326,7 +326,8 @@ class JobResult(BaseModel):
     token_ids: list[int] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on success
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    content: str | None = None  # a chat with tools: the text that is not tool calls
+    content: str | None = None  # a chat with tools or a reasoning parser: the answer's text (no calls, no thinking)
+    reasoning_content: str | None = None  # a chat with a reasoning parser: the text of its think block
     tool_calls: list[ToolCall] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
@@ -361,7 +362,8 @@ class JobRecord(BaseModel):
     token_ids: list[int] | None = None  # the whole generated token ids, once terminal
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on success
     stop_reason: str | int | None = None
-    content: str | None = None  # a chat with tools: the text that is not tool calls, once terminal
+    content: str | None = None  # a chat with tools or a reasoning parser: the answer's text, once terminal
+    reasoning_content: str | None = None  # a chat with a reasoning parser: its thinking, once terminal
     tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of the output
     usage: Usage | None = None
     timings: Timings | None = None

