@@ -83,25 +83,32 @@ class Shape:
     text: str = ""  # everything released so far
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     tools: bool = False  # a chat that may call tools: its events carry the text parsed into content and calls
-    content: str = ""  # with tools: the released text that is not a tool call
+    content: str = ""  # a parsed chat (tools, or a worker's reasoning parser): the released answer text
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls, once complete
+    reasoning: str = ""  # a chat on a worker with a reasoning parser: the released thinking (reasoning_content)
+    parsed: bool = False  # the events carry the chat parsed (`event.chat`): the answer is `content`, not `text`
 
     def add(self, event) -> None:
-        """Take in a token event's text (and, with tools, its content and calls)."""
+        """Take in a token event's text (and, parsed, its content, reasoning and calls)."""
         self.text += event.text
         self.token_logprobs += event.logprobs or []
-        if self.tools and event.chat is not None:
+        if event.chat is not None:
+            self.parsed = True
             self.content += event.chat.content
+            self.reasoning += event.chat.reasoning_content
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chat_delta_chunk(self, delta: ChatDelta, logprobs: list[TokenLogprob] | None) -> dict | None:
-        """A chat-with-tools chunk: content and tool-call pieces (OpenAI's stream shape), or None
-        when the step released nothing (text held back while it may still be a call)."""
+        """A parsed chat's chunk: reasoning, content and tool-call pieces (OpenAI's stream shape,
+        vLLM's `reasoning_content`), or None when the step released nothing (text held back while
+        it may still be a call or a tag)."""
         if not delta and not (self.logprobs and logprobs):
             return None
         out: dict = {}
+        if delta.reasoning_content:
+            out["reasoning_content"] = delta.reasoning_content
         if delta.content:
             out["content"] = delta.content
         if delta.tool_calls:
@@ -138,10 +145,12 @@ class Shape:
 
     def body(self, finish_reason: str, usage: Usage) -> dict:
         if self.chat:
-            message: dict = {"role": "assistant", "content": self.text}
+            message: dict = {"role": "assistant", "content": self.content if self.parsed else self.text}
             if self.tools:
                 message = {"role": "assistant", "content": self.content or None,
                            "tool_calls": [c.model_dump() for c in self.tool_calls] or None}
+            if self.reasoning:
+                message["reasoning_content"] = self.reasoning
             choice = {
                 "index": self.index,
                 "message": message,

@@ -196,6 +196,8 @@ class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # A worker with a reasoning parser (FERRY_REASONING_PARSER): the model's thinking, left out of content
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):

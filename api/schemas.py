@@ -55,7 +55,8 @@ class JobOutput(BaseModel):
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    content: str | None = None  # a chat with tools: the text that is not tool calls
+    content: str | None = None  # a chat with tools or a reasoning parser: the answer's text (no calls, no thinking)
+    reasoning_content: str | None = None  # a chat on a worker with a reasoning parser: the think block's text
     tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of `text`
 
 

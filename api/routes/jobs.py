@@ -78,6 +78,7 @@ def job_view(record: JobRecord, deliveries: dict[str, str] | None = None) -> Job
             finish_reason=record.finish_reason,
             stop_reason=record.stop_reason,
             content=record.content,
+            reasoning_content=record.reasoning_content,
             tool_calls=record.tool_calls,
         )
     error = JobErrorInfo(code=record.error_code, message=record.error_message or "") if record.error_code else None

@@ -198,7 +198,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
 
     def render(event: Event) -> list[str]:
         """The SSE messages for one event; the last event's end with `[DONE]`."""
-        if event.type == "token" and shape.tools:
+        if event.type == "token" and (shape.tools or event.chat is not None):  # a parsed chat
             piece = shape.chat_delta_chunk(event.chat or ChatDelta(), event.logprobs)
             shape.add(event)
             return [chunk(piece)] if piece is not None else []
