@@ -4,10 +4,14 @@ thinking as `reasoning_content`, apart from the answer, whole and streamed."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ferry.api.batches import output_line
+from ferry.worker.protocol import JobRecord, JobRequest, JobResult, JobState, Usage
 from tests.api.conftest import KEY_A, Proc, stack_env, wait_until
 from tests.tiny_models import make_model
 
@@ -77,3 +81,25 @@ def test_a_completion_is_not_split(thinking, stack):
     with stack.client() as api:
         output = api.get(f"/v1/jobs/{r.id.removeprefix('cmpl-')}").json()["output"]
     assert output["reasoning_content"] is None
+
+
+def _record(**result) -> JobRecord:
+    """A succeeded chat job's record as Redis gives it back, `result` being what its worker wrote."""
+    usage = Usage(prompt_tokens=3, completion_tokens=5, total_tokens=8)
+    request = JobRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    base = JobRecord.new("job-1", request).to_redis()
+    written = JobResult(state=JobState.succeeded, finished_at=1.0, worker_id="w", finish_reason="stop", usage=usage,
+                        **result).to_redis()
+    return JobRecord.from_redis(base | written)
+
+
+def test_batch_output_lines_carry_the_reasoning_as_the_live_route():
+    _, line = output_line(_record(text="<think>ab</think>cd", content="cd", reasoning_content="ab"), "c", True, "")
+    message = json.loads(line)["response"]["body"]["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "cd", "reasoning_content": "ab"}
+    # An answer without thinking: the parsed content ("" reasoning survives Redis), no reasoning field.
+    _, line = output_line(_record(text="<thin", content="<thin", reasoning_content=""), "c", True, "")
+    assert json.loads(line)["response"]["body"]["choices"][0]["message"] == {"role": "assistant", "content": "<thin"}
+    # A worker without a reasoning parser: the text, as before.
+    _, line = output_line(_record(text="<think>ab</think>cd"), "c", True, "")
+    assert json.loads(line)["response"]["body"]["choices"][0]["message"]["content"] == "<think>ab</think>cd"
