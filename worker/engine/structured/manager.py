@@ -246,8 +246,9 @@ def _close_all(children: dict[int, CompileProcess]) -> None:
 
 def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState, Sequence[int]]]) -> dict[int, str]:
     """Mask logits [n, vocab] in place: for each (row, grammar, extra), every token the grammar
-    does not allow after the output plus `extra` goes to -inf. Returns row -> error for rows
-    whose mask could not be made (left unmasked: the caller fails them)."""
+    does not allow after the output plus `extra` goes to -inf (a row still thinking is left as it
+    is). Returns row -> error for rows whose mask could not be made (left unmasked: the caller
+    fails them)."""
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
     failed: dict[int, str] = {}
     masked = []
