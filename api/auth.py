@@ -1,4 +1,5 @@
-"""Bearer API keys mapped to tenants.
+"""API keys mapped to tenants, sent as `Authorization: Bearer <key>` or, as Anthropic's clients
+send them, `x-api-key: <key>`.
 
 Keys are configured only as sha256 hex digests ("<sha256hex>:<tenant>[;option=value...]",
 comma-separated in FERRY_API_KEYS or one per line in FERRY_API_KEYS_FILE; the options are
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from ferry.api.errors import ApiError
 from ferry.worker.common.key_source import KeySource
@@ -61,7 +62,7 @@ class KeyRing:
         if not keys:
             return KeyEntry(OPEN_TENANT)
         if not token:
-            raise _unauthorized("missing bearer API key (Authorization: Bearer <key>)")
+            raise _unauthorized("missing API key (Authorization: Bearer <key>, or x-api-key: <key>)")
         digest = hashlib.sha256(token.encode()).hexdigest()
         # Compare against every configured digest so timing does not reveal near misses.
         found = None
@@ -91,16 +92,22 @@ def _unauthorized(message: str) -> ApiError:
     return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
 
 
-# Declares the bearer scheme in the OpenAPI schema; the check itself is KeyRing.tenant_for.
+# Declare the two ways to send a key in the OpenAPI schema; the check itself is KeyRing.entry_for.
 _bearer = HTTPBearer(auto_error=False)
+_x_api_key = APIKeyHeader(name="x-api-key", auto_error=False, description="the API key, as Anthropic's clients send it")
 
 
 async def caller(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    x_api_key: Annotated[str | None, Depends(_x_api_key)],
 ) -> KeyEntry:
-    """FastAPI dependency: the calling key's entry (async: a sync dependency costs a threadpool hop)."""
+    """FastAPI dependency: the calling key's entry (async: a sync dependency costs a threadpool hop).
+    Two different keys in the two headers are a 401: which one is meant cannot be told."""
     token = credentials.credentials.strip() if credentials else None
-    return request.app.state.keyring.entry_for(token)
+    other = x_api_key.strip() if x_api_key else None
+    if token and other and token != other:
+        raise _unauthorized("Authorization and x-api-key carry different API keys; send one")
+    return request.app.state.keyring.entry_for(token or other)
 
 
 async def tenant(entry: Annotated[KeyEntry, Depends(caller)]) -> str:

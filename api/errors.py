@@ -8,6 +8,10 @@ unknown routes and wrong methods all map to 4xx here.
 
 A request field Ferry does not implement, or an unknown one, is refused with the code
 `unsupported_parameter` (OpenAI's) and the field as `param`: never ignored.
+
+Anthropic's Messages API (`/v1/messages` and below) answers the same errors, with the same
+statuses, in Anthropic's shape instead: `{"type": "error", "error": {"type", "message", "code",
+"param"?}}` (`anthropic_error_body`), so its official client reads them.
 """
 
 from __future__ import annotations
@@ -76,8 +80,26 @@ def error_body(status: int, code: str, message: str, field: str | None = None) -
     return {"error": error}
 
 
-def error_response(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(status, code, message, field), status_code=status, headers=headers)
+# HTTP status -> Anthropic's error `type` (any other 4xx is an invalid request, any 5xx an API error).
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"  # the routes whose errors take Anthropic's shape: this path and those below it
+
+
+def anthropic_error_body(status: int, code: str, message: str, field: str | None = None) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    error = {"type": kind, "message": message, "code": code}
+    if field is not None:
+        error["param"] = field
+    return {"type": "error", "error": error}
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None, headers=None,
+                   path: str = "") -> JSONResponse:
+    """The error as JSON: Anthropic's shape for a request to `path` under ANTHROPIC_PATH, OpenAI's otherwise."""
+    anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+    body = (anthropic_error_body if anthropic else error_body)(status, code, message, field)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def unsupported(field: str, why: str) -> ApiError:
@@ -106,35 +128,38 @@ def _field_name(loc: tuple) -> str | None:
     return name or None
 
 
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.code, exc.message, exc.field, exc.headers, request.url.path)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     field = _field_name(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
-        return error_response(422, "invalid_json", f"request body is not valid JSON: {first.get('msg')}")
+        return error_response(422, "invalid_json", f"request body is not valid JSON: {first.get('msg')}",
+                              path=request.url.path)
     code, message = validation_answer(first, field)
-    return error_response(422, code, message, field)
+    return error_response(422, code, message, field, path=request.url.path)
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, ...): malformed input, a 422
-        return error_response(422, "invalid_json", f"request body cannot be parsed: {exc.detail}")
+        return error_response(422, "invalid_json", f"request body cannot be parsed: {exc.detail}",
+                              path=request.url.path)
     code = _STATUS_CODES.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None),
+                          path=request.url.path)
 
 
-async def _redis_error(_: Request, exc: RedisError) -> JSONResponse:
+async def _redis_error(request: Request, exc: RedisError) -> JSONResponse:
     log.warning("redis error: %s", exc)
     return error_response(503, "redis_unavailable", "the job store is unavailable; retry later",
-                          headers={"Retry-After": "1"})
+                          headers={"Retry-After": "1"}, path=request.url.path)
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
-    return error_response(500, "internal_error", "internal server error")
+    return error_response(500, "internal_error", "internal server error", path=request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -145,7 +170,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-def _problem_response(problem: tuple[str, str] | str | None) -> JSONResponse | None:
+def _problem_response(problem: tuple[str, str] | str | None, path: str) -> JSONResponse | None:
     """The 422 for a JSON body no route may see (`json_value_problem`'s answer), or None. A body that
     does not parse is left to FastAPI, which answers `invalid_json`."""
     if problem is None or problem == NOT_JSON:
@@ -153,7 +178,7 @@ def _problem_response(problem: tuple[str, str] | str | None) -> JSONResponse | N
     where, why = problem
     if len(where) > 80:
         where = where[:60] + "..."
-    return error_response(422, "invalid_request", f"{where}: {why}", None if where == "body" else where)
+    return error_response(422, "invalid_request", f"{where}: {why}", None if where == "body" else where, path=path)
 
 
 def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -197,7 +222,7 @@ class BodyLimitMiddleware:
                         break
         except TimeoutError:
             response = error_response(408, "body_timeout", f"request body not all in within {self.timeout_s:g} s",
-                                      headers={"Connection": "close"})
+                                      headers={"Connection": "close"}, path=scope["path"])
             return await response(scope, receive, send)
         refused = None
         if body and _is_json(scope["headers"]):
@@ -205,9 +230,9 @@ class BodyLimitMiddleware:
             # lowest CPU priority (`ferry.api.offloop`): one tenant's megabyte bodies must not stall the rest.
             checks = getattr(scope["app"].state, "body_checks", None)
             if len(body) <= INLINE_BYTES or checks is None:
-                refused = _problem_response(body_json_problem(bytes(body)))
+                refused = _problem_response(body_json_problem(bytes(body)), scope["path"])
             else:
-                refused = _problem_response(await checks.json_value_problem(bytes(body)))
+                refused = _problem_response(await checks.json_value_problem(bytes(body)), scope["path"])
         if refused is not None:
             return await refused(scope, receive, send)
         replayed = False
@@ -222,5 +247,6 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send):
-        response = error_response(413, "body_too_large", f"request body is over the {self.max_bytes}-byte limit")
+        response = error_response(413, "body_too_large", f"request body is over the {self.max_bytes}-byte limit",
+                                  path=scope["path"])
         await response(scope, receive, send)

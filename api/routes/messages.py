@@ -1,0 +1,146 @@
+"""Anthropic's Messages API, `POST /v1/messages`, through the same job queue as every route.
+
+The body becomes one chat job (`api.anthropic_jobs`: queued, prioritised, retried, visible at
+`/v1/jobs/{id}`, admitted against the tenant's live budget); the handler follows the job's events
+and answers with one message or, with `stream: true`, Anthropic's named SSE events
+(`api.anthropic_responses`). Errors on these routes are Anthropic's body (`api.errors`). A client
+that goes away cancels its job: Anthropic's clients have no way to resume one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ferry.api.anthropic_jobs import message_job
+from ferry.api.anthropic_responses import PING, MessageBuilder, stream_error
+from ferry.api.anthropic_schemas import MessageResponse, MessagesRequest, anthropic_error_responses
+from ferry.api.auth import tenant
+from ferry.api.errors import ApiError
+from ferry.api.offloop import OffLoopBodyRoute
+from ferry.api.openai_responses import job_error
+from ferry.api.ratelimit import admit_jobs
+from ferry.api.routes.openai import DEADLINE_MARGIN_S, _prime
+from ferry.api.services import Services, cancel_job, check_against_model, resolve_model, services, submit
+from ferry.api.streaming import SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events
+from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event
+
+router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=OffLoopBodyRoute)
+
+Svc = Annotated[Services, Depends(services)]
+Tenant = Annotated[str, Depends(tenant)]
+
+_TICK_S = 0.5  # idle ticks of a follow: disconnect checks and keep-alive timing
+_ENDED = object()  # what anext() gives for a follow that has ended
+_OK = {200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+             "description": "the message, or with `stream: true` Anthropic's named SSE events"}}
+
+
+@router.post(
+    "/messages",
+    response_model=MessageResponse,
+    responses=_OK | anthropic_error_responses(401, 404, 409, 413, 422, 429, 503, 504),
+    summary="Create a message (Anthropic-compatible)",
+)
+async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_name: Tenant):
+    """Anthropic's `anthropic-version` header is accepted and not needed: there is one version."""
+    model = await resolve_model(svc, body.model)
+    job = message_job(svc, tenant_name, model, body)
+    await check_against_model(svc, job)
+
+    async def admission() -> tuple[str, int] | None:
+        [reservation] = await admit_jobs(svc, http.state, tenant_name, [job])
+        return reservation
+
+    job_id = (await submit(svc, job, None, source="anthropic", admission=admission)).job_id
+    message = MessageBuilder(f"msg_{job_id}", model, tools=job.effective_tool_choice != "none")
+    # Past its queueing and running limits a job can only have been lost (no worker took it).
+    deadline_s = (job.ttl_s or 0) + (job.timeout_s or 0) + DEADLINE_MARGIN_S
+    events = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S,
+                           resync_s=svc.settings.sse_keepalive_s)
+    if body.stream:
+        return await _stream(svc, job_id, events, message, deadline_s)
+    return await _whole(svc, http, job_id, events, message, deadline_s)
+
+
+async def _cancel_quietly(svc: Services, job_id: str) -> None:
+    with anyio.CancelScope(shield=True):
+        await cancel_job(svc, job_id)
+
+
+async def _whole(svc: Services, http: Request, job_id: str, events, message: MessageBuilder, deadline_s: float):
+    """The message once the job completes; its error if it ends otherwise. The job is cancelled when
+    the client goes away, time runs out, or the process shuts down first."""
+    ended = False
+    try:
+        async with asyncio.timeout(deadline_s):
+            async for batch in events:
+                if batch is None:
+                    if await http.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                for event in batch:
+                    ended = event.type in TERMINAL_EVENT_TYPES
+                    if event.type == "token":
+                        message.add(event)
+                    elif event.type == "completed":
+                        return JSONResponse(message.body(event))
+                    elif ended:
+                        raise job_error(event)
+    except TimeoutError:
+        raise ApiError(504, "timeout", "no result in time; the job was cancelled") from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
+        if not ended:
+            await _cancel_quietly(svc, job_id)
+    raise ApiError(503, "shutting_down", "this server is shutting down; retry", headers={"Retry-After": "1"})
+
+
+async def _stream(svc: Services, job_id: str, events, message: MessageBuilder, deadline_s: float):
+    try:
+        buffered = await _prime(events)  # a job that fails at once is still answered with an HTTP error
+    except BaseException:
+        await events.aclose()
+        raise
+    if buffered and buffered[-1].type in TERMINAL_EVENT_TYPES and buffered[-1].type != "completed":
+        await events.aclose()
+        raise job_error(buffered[-1])
+
+    async def body():
+        ended = False
+        last_write = time.monotonic()
+        deadline = last_write + deadline_s
+        try:
+            out = [message.start()]
+            batch: list[Event] | None = buffered
+            while True:
+                if batch is not None:
+                    for event in batch:
+                        out += message.render(event)
+                    ended = bool(batch) and batch[-1].type in TERMINAL_EVENT_TYPES
+                if out or time.monotonic() - last_write >= svc.settings.sse_keepalive_s:
+                    last_write = time.monotonic()
+                    yield "".join(out) or PING  # a burst of events goes out as one write
+                    out = []
+                if ended:
+                    return
+                batch = await anext(events, _ENDED)
+                if batch is _ENDED:  # before the job's end: the process is shutting down
+                    yield stream_error(503, "shutting_down", "this server is shutting down; retry")
+                    return
+                if batch is None and time.monotonic() > deadline:
+                    yield stream_error(504, "timeout", "no result in time; the job was cancelled")
+                    return
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+            if not ended:  # the client went away, time ran out, or the process is shutting down
+                await _cancel_quietly(svc, job_id)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
