@@ -170,6 +170,10 @@ class EngineCore:
         """Count the computed tokens; a request whose sampling failed ends alone, with ERROR."""
         for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += num_new
+            scored = result.prompt_logprobs.get(request.request_id)
+            if scored is not None:  # by position: a preempted request's recompute writes the same entries again
+                first, entries = scored
+                request.prompt_logprobs[first:first + len(entries)] = entries
             failure = result.failed.get(request.request_id)
             if failure is not None:
                 self.finish(request, FinishReason.ERROR, error=RequestFailedError(failure))

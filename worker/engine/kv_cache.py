@@ -97,8 +97,8 @@ class KVCacheManager:
 
         The last token is never covered (its logits must be computed), so at most
         (num_tokens - 1) // block_size blocks can hit."""
-        if not self.enable_prefix_caching:
-            return PrefixHit([], 0)
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return PrefixHit([], 0)  # prompt logprobs need every prompt position's logits computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_keys(request, max_blocks)
         hits = []

@@ -107,6 +107,7 @@ class LLM:
                     logprobs=[lp for lst in logprob_lists for lp in lst] if logprob_lists else None,
                     metrics=last.metrics,
                     error=last.error,
+                    prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
                 )
             )
         return results

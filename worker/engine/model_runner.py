@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ferry.kernels.ops import AttentionMetadata
-from ferry.worker.engine.outputs import PositionLogprobs
+from ferry.worker.engine.outputs import Logprob, PositionLogprobs
 from ferry.worker.engine.sampler import SamplerOutput, sample
 from ferry.worker.engine.scheduler import SchedulerOutput
 from ferry.worker.engine.spec.decode import verify
@@ -25,6 +25,9 @@ class SeqChunk:
     start: int  # position of the first of them (the tokens before it have KV already)
     block_ids: list[int]  # the sequence's block table
     num_logits: int  # trailing rows whose logits are wanted (0: a prefill chunk, 1: sample, k+1: verify)
+    # Leading rows whose logits score the prompt token after them (params.prompt_logprobs); rank 0's
+    # alone (the other tensor-parallel ranks compute no logits)
+    num_prompt_logits: int = 0
 
 
 @dataclass(slots=True)
@@ -33,7 +36,7 @@ class ModelInput:
     positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of its KV slot
     attention: AttentionMetadata  # query_start_loc, seq_lens, block_tables (shared by all layers)
-    logits_indices: torch.Tensor  # [num_logits] int64: rows whose logits are computed
+    logits_indices: torch.Tensor  # [num_logits] int64: rows whose logits are computed (a chunk's prompt rows first)
 
 
 @dataclass(slots=True)
@@ -41,6 +44,8 @@ class StepOutput:
     sampled: dict[str, list[int]]  # request id -> its new tokens (accepted proposals + one sampled), where it sampled
     logprobs: dict[str, list[PositionLogprobs]]  # request id -> one entry per new token, where asked for
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why sampling it raised (it fails alone)
+    # request id -> (the position of the first prompt token scored, one entry per scored token): prompt logprobs
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -79,6 +84,8 @@ class ModelRunner:
             query_lens.append(end - start)
             seq_lens.append(end)
             tables.append(table[: -(-end // bs)])
+            first_row = len(input_ids) - len(chunk.token_ids)
+            logits_indices.extend(range(first_row, first_row + chunk.num_prompt_logits))
             logits_indices.extend(range(len(input_ids) - chunk.num_logits, len(input_ids)))
         dev = self.device
         attention = AttentionMetadata.build(query_lens, seq_lens, tables, bs, dev)
@@ -112,18 +119,28 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         """The target's step: every scheduled token in one batch, then a token (or a verified
         run of proposals plus one) for each request whose known tokens are all computed."""
-        chunks, sampling = [], []
+        chunks, sampling, scoring = [], [], []
         for request, num_new in zip(sched.requests, sched.num_scheduled_tokens, strict=True):
             start, end, known = request.num_computed_tokens, request.num_computed_tokens + num_new, request.num_tokens
             # Past the known tokens come this step's proposals; the row before each one scores it.
             token_ids = request.all_token_ids[start:end] + request.spec.token_ids[: max(end - known, 0)]
             num_logits = end - known + 1 if end >= known else 0
-            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits))
+            # Rows at positions start .. P-2 score the prompt token after them (P-1's row samples).
+            scores_prompt = request.prompt_logprobs is not None
+            num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start) if scores_prompt else 0
+            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits, num_prompt))
             if num_logits:
                 sampling.append(request)
+            if num_prompt:
+                scoring.append((request, start, num_prompt))
         logits = self.forward(chunks)
         if logits is None:
             return StepOutput({}, {})
+        prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = {}
+        if scoring:
+            logits, prompt_logprobs = _split_prompt_rows(logits, chunks, scoring)
+            if not sampling:
+                return StepOutput({}, {}, prompt_logprobs=prompt_logprobs)
         if any(r.spec.token_ids for r in sampling):
             verified = verify(logits, sampling)
             tokens, logprobs, failed = verified.token_ids, verified.logprobs, verified.failed
@@ -136,4 +153,45 @@ class ModelRunner:
             {r.request_id: t for i, (r, t) in enumerate(zip(sampling, tokens, strict=True)) if i not in failed},
             {r.request_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None},
             {sampling[i].request_id: message for i, message in failed.items()},
+            prompt_logprobs,
         )
+
+
+def _split_prompt_rows(logits: torch.Tensor, chunks: list[SeqChunk], scoring: list[tuple]) -> tuple[
+        torch.Tensor, dict[str, tuple[int, list[PositionLogprobs]]]]:
+    """`logits` ([prompt and sampling rows, vocab], per chunk: its prompt rows first) split into the
+    sampling rows and each scoring request's prompt logprobs: (first position scored, entries)."""
+    keep: list[int] = []
+    prompt_rows: list[range] = []
+    row = 0
+    for chunk in chunks:
+        if chunk.num_prompt_logits:
+            prompt_rows.append(range(row, row + chunk.num_prompt_logits))
+        row += chunk.num_prompt_logits
+        keep.extend(range(row, row + chunk.num_logits))
+        row += chunk.num_logits
+    scored = {}
+    for (request, start, count), rows in zip(scoring, prompt_rows, strict=True):
+        # The row at position p scores the prompt token at p + 1.
+        targets = request.all_token_ids[start + 1:start + 1 + count]
+        scored[request.request_id] = (start + 1, position_logprobs(logits[rows.start:rows.stop], targets,
+                                                                   request.params.prompt_logprobs))
+    return logits[keep], scored
+
+
+def position_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[PositionLogprobs]:
+    """For each row of `logits` ([rows, vocab], raw): the top-n tokens' logprobs and rank, and the
+    target token's (the one that came next), as `sampler.top_logprobs` gives one sampled row's."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets).unsqueeze(1))  # [rows, 1]
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    out: list[PositionLogprobs] = []
+    for i, (target, value) in enumerate(zip(targets, chosen.squeeze(1).tolist(), strict=True)):
+        entry: PositionLogprobs = {}
+        if top_ids is not None:
+            for rank, (tid, top_value) in enumerate(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True), 1):
+                entry[tid] = Logprob(top_value, rank)
+        entry.setdefault(target, Logprob(value, ranks[i]))
+        out.append(entry)
+    return out

@@ -54,6 +54,7 @@ class OutputProcessor:
         emitted, emitted_logprobs = [], []
         reason, stop_reason = None, None
         detok = self._detokenizers.get(request.request_id)
+        first = request.metrics.first_token_time is None  # its first output carries its prompt's logprobs
         for i, token in enumerate(tokens):
             token_logprobs = self._decorate(logprobs[i]) if logprobs is not None else None
             request.append_output(token, token_logprobs)
@@ -82,7 +83,10 @@ class OutputProcessor:
                 break
         if reason is not None:
             self.core.finish(request, reason, stop_reason)
-        return self._output(request, emitted, emitted_logprobs or None)
+        prompt_logprobs = None
+        if first and request.prompt_logprobs is not None:
+            prompt_logprobs = [self._decorate(entry) for entry in request.prompt_logprobs]
+        return self._output(request, emitted, emitted_logprobs or None, prompt_logprobs)
 
     def _token_stop(self, request: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         """The stop condition `token` (just appended) meets, if any, and its stop token id."""
@@ -101,7 +105,8 @@ class OutputProcessor:
             return logprobs
         return {tid: replace(lp, decoded_token=self.tokenizer.decode([tid])) for tid, lp in logprobs.items()}
 
-    def _output(self, request: Request, new_tokens: list[int], new_logprobs: list | None) -> RequestOutput:
+    def _output(self, request: Request, new_tokens: list[int], new_logprobs: list | None,
+                prompt_logprobs: list[PositionLogprobs | None] | None = None) -> RequestOutput:
         """The delta; a finished request's held-back text comes out with it (none for a failed
         one: its detokenizer may be what failed), and its detokenizer goes."""
         finished = request.is_finished
@@ -122,4 +127,5 @@ class OutputProcessor:
             num_output_tokens=request.num_output_tokens,
             metrics=request.metrics,
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )

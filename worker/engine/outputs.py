@@ -72,6 +72,9 @@ class RequestOutput:
     # What ended it, exactly when finish_reason is ERROR: a RequestFailedError (its processing raised
     # in a step) or an InvalidStructuredOutputError (its grammar did not compile); see worker.engine.errors
     error: Exception | None = None
+    # params.prompt_logprobs, on the request's first output only: one entry per prompt token, None for
+    # the first (nothing precedes it), each holding the prompt token's logprob and the top-n at its position
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -90,3 +93,4 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     metrics: RequestMetrics
     error: Exception | None = None  # what ended it, when finish_reason is ERROR (as in RequestOutput)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # as in RequestOutput

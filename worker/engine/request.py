@@ -63,6 +63,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)  # prompt + output, the tokens KV is computed for
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt position (None at 0: nothing precedes the first
+    # token), filled as its prompt chunks are computed
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     block_ids: list[int] = field(default_factory=list)  # block table: block i holds tokens [i*bs, (i+1)*bs)
@@ -78,6 +81,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
