@@ -225,6 +225,25 @@ async def follow_events(
                     break
 
 
+PRIME_S = 2.0  # how long a stream waits for its job's first token before sending its headers
+DEADLINE_MARGIN_S = 30.0  # an answer waits for its job's ttl_s + timeout_s and this long, then gives up
+
+
+async def prime(events: AsyncIterator[list[Event] | None]) -> list[Event]:
+    """Events up to the job's first token or end, or what came within `PRIME_S`: so a job that
+    fails at once (say, a prompt too long) is still answered with an HTTP error status."""
+    buffered: list[Event] = []
+    started = time.monotonic()
+    async for batch in events:
+        if batch is not None:
+            buffered += batch
+            if buffered[-1].type != "started":
+                break
+        elif time.monotonic() - started > PRIME_S:
+            break
+    return buffered
+
+
 def sse(data: str, *, event: str | None = None, id: int | str | None = None) -> str:
     """One SSE message; `data` is a single line (JSON)."""
     head = ""

@@ -14,7 +14,7 @@ import time
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.anthropic_jobs import message_job
@@ -25,15 +25,15 @@ from ferry.api.errors import ApiError
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_responses import job_error
 from ferry.api.ratelimit import admit_jobs
-from ferry.api.routes.openai import DEADLINE_MARGIN_S, _prime
 from ferry.api.services import Services, cancel_job, check_against_model, resolve_model, services, submit
-from ferry.api.streaming import SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events
+from ferry.api.streaming import DEADLINE_MARGIN_S, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, prime
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event
 
 router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=OffLoopBodyRoute)
 
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]
 
 _TICK_S = 0.5  # idle ticks of a follow: disconnect checks and keep-alive timing
 _ENDED = object()  # what anext() gives for a follow that has ended
@@ -47,8 +47,11 @@ _OK = {200: {"model": MessageResponse, "content": {"text/event-stream": {"schema
     responses=_OK | anthropic_error_responses(401, 404, 409, 413, 422, 429, 503, 504),
     summary="Create a message (Anthropic-compatible)",
 )
-async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_name: Tenant):
-    """Anthropic's `anthropic-version` header is accepted and not needed: there is one version."""
+async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_name: Tenant,
+                         idempotency_key: IdempotencyKey = None):
+    """Anthropic's `anthropic-version` header is accepted and not needed: there is one version. With an
+    `Idempotency-Key` (as on /v1/jobs) a retry answers from the same job, from its first event, and a
+    client that goes away leaves its job running for that retry."""
     model = await resolve_model(svc, body.model)
     job = message_job(svc, tenant_name, model, body)
     await check_against_model(svc, job)
@@ -57,15 +60,16 @@ async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_
         [reservation] = await admit_jobs(svc, http.state, tenant_name, [job])
         return reservation
 
-    job_id = (await submit(svc, job, None, source="anthropic", admission=admission)).job_id
+    job_id = (await submit(svc, job, idempotency_key, source="anthropic", admission=admission)).job_id
+    keep = idempotency_key is not None
     message = MessageBuilder(f"msg_{job_id}", model, tools=job.effective_tool_choice != "none")
     # Past its queueing and running limits a job can only have been lost (no worker took it).
     deadline_s = (job.ttl_s or 0) + (job.timeout_s or 0) + DEADLINE_MARGIN_S
     events = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S,
                            resync_s=svc.settings.sse_keepalive_s)
     if body.stream:
-        return await _stream(svc, job_id, events, message, deadline_s)
-    return await _whole(svc, http, job_id, events, message, deadline_s)
+        return await _stream(svc, job_id, events, message, deadline_s, keep)
+    return await _whole(svc, http, job_id, events, message, deadline_s, keep)
 
 
 async def _cancel_quietly(svc: Services, job_id: str) -> None:
@@ -73,10 +77,12 @@ async def _cancel_quietly(svc: Services, job_id: str) -> None:
         await cancel_job(svc, job_id)
 
 
-async def _whole(svc: Services, http: Request, job_id: str, events, message: MessageBuilder, deadline_s: float):
+async def _whole(svc: Services, http: Request, job_id: str, events, message: MessageBuilder, deadline_s: float,
+                 keep: bool):
     """The message once the job completes; its error if it ends otherwise. The job is cancelled when
-    the client goes away, time runs out, or the process shuts down first."""
-    ended = False
+    time runs out, or when the client goes away or the process shuts down first (unless `keep`: a
+    retry with its Idempotency-Key answers from it)."""
+    ended, timed_out = False, False
     try:
         async with asyncio.timeout(deadline_s):
             async for batch in events:
@@ -93,18 +99,19 @@ async def _whole(svc: Services, http: Request, job_id: str, events, message: Mes
                     elif ended:
                         raise job_error(event)
     except TimeoutError:
+        timed_out = True
         raise ApiError(504, "timeout", "no result in time; the job was cancelled") from None
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()
-        if not ended:
+        if not ended and (timed_out or not keep):
             await _cancel_quietly(svc, job_id)
     raise ApiError(503, "shutting_down", "this server is shutting down; retry", headers={"Retry-After": "1"})
 
 
-async def _stream(svc: Services, job_id: str, events, message: MessageBuilder, deadline_s: float):
+async def _stream(svc: Services, job_id: str, events, message: MessageBuilder, deadline_s: float, keep: bool):
     try:
-        buffered = await _prime(events)  # a job that fails at once is still answered with an HTTP error
+        buffered = await prime(events)  # a job that fails at once is still answered with an HTTP error
     except BaseException:
         await events.aclose()
         raise
@@ -113,7 +120,7 @@ async def _stream(svc: Services, job_id: str, events, message: MessageBuilder, d
         raise job_error(buffered[-1])
 
     async def body():
-        ended = False
+        ended, timed_out = False, False
         last_write = time.monotonic()
         deadline = last_write + deadline_s
         try:
@@ -135,12 +142,14 @@ async def _stream(svc: Services, job_id: str, events, message: MessageBuilder, d
                     yield stream_error(503, "shutting_down", "this server is shutting down; retry")
                     return
                 if batch is None and time.monotonic() > deadline:
+                    timed_out = True
                     yield stream_error(504, "timeout", "no result in time; the job was cancelled")
                     return
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
-            if not ended:  # the client went away, time ran out, or the process is shutting down
+            # The client went away, time ran out, or the process is shutting down.
+            if not ended and (timed_out or not keep):
                 await _cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

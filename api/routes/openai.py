@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Annotated
 
 import anyio
@@ -43,7 +43,16 @@ from ferry.api.services import (
     services,
     submit,
 )
-from ferry.api.streaming import KEEPALIVE, SSE_HEADERS, follow_events, resume_comment, sse, sse_json
+from ferry.api.streaming import (
+    DEADLINE_MARGIN_S,
+    KEEPALIVE,
+    SSE_HEADERS,
+    follow_events,
+    prime,
+    resume_comment,
+    sse,
+    sse_json,
+)
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event, JobRequest, Usage
 from ferry.worker.protocol.tools import ChatDelta
 
@@ -55,10 +64,8 @@ Tenant = Annotated[str, Depends(tenant)]
 # At most 252 characters: with a choice's "#15" (`choice_key`) it stays within /v1/jobs' 255.
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=252)]
 
-_PRIME_S = 2.0  # how long a stream waits for its job's first token before sending headers
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
 _ENDED = object()  # what anext() gives for a follow that has ended
-DEADLINE_MARGIN_S = 30.0  # an answer waits for its job's ttl_s + timeout_s and this long, then gives up
 
 
 # --- running a job for one HTTP request ----------------------------------------------------------
@@ -165,25 +172,10 @@ async def _collect(svc: Services, http: Request, shape: Shape, job_id: str) -> E
         await events.aclose()
 
 
-async def _prime(events: AsyncIterator[list[Event] | None]) -> list[Event]:
-    """Events up to the job's first token or end, or what came within `_PRIME_S`: so a job that
-    fails at once (say, a prompt too long) is still answered with an HTTP error status."""
-    buffered: list[Event] = []
-    started = time.monotonic()
-    async for batch in events:
-        if batch is not None:
-            buffered += batch
-            if buffered[-1].type != "started":
-                break
-        elif time.monotonic() - started > _PRIME_S:
-            break
-    return buffered
-
-
 async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shape, include_usage: bool,
                   deadline_s: float, keep_on_disconnect: bool = False):
     try:
-        buffered = await _prime(events)
+        buffered = await prime(events)
     except BaseException:
         await events.aclose()
         raise

@@ -29,7 +29,7 @@ from ferry.api.responses_schemas import RESPONSE_ID_PATTERN, ResponseCreate
 from ferry.api.routes.jobs import wait_until_terminal
 from ferry.api.schemas import error_responses
 from ferry.api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
-from ferry.api.streaming import KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse_json
+from ferry.api.streaming import DEADLINE_MARGIN_S, KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse_json
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, JobRecord, JobRequest
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"], route_class=OffLoopBodyRoute)
@@ -41,7 +41,6 @@ IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_lengt
 
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
 _STOP_WAIT_S = 10.0  # how long cancel and delete wait for a running response to stop
-DEADLINE_MARGIN_S = 30.0  # an answer waits for its job's ttl_s + timeout_s and this long, then gives up
 _SSE_200 = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                   "description": "the Response object, or with `stream: true` its typed SSE events"}}
 

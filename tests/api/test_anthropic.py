@@ -5,6 +5,7 @@ Anthropic's stop reasons, tool use, and errors in Anthropic's shape."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import anthropic
 import jsonschema
@@ -221,3 +222,17 @@ def test_other_routes_keep_openai_error_shape(oai):
     with pytest.raises(openai.NotFoundError) as info:
         oai.chat.completions.create(model="no-such-model", max_tokens=2, messages=MESSAGES)
     assert info.value.body["code"] == "model_not_found" and info.value.body["type"] == "invalid_request_error"
+
+
+def test_an_idempotency_key_answers_a_retry_from_the_same_job_and_keeps_it_when_the_client_leaves(client, stack):
+    key = f"msg-{uuid.uuid4().hex}"
+    with greedy(client, max_tokens=20, stream=True, extra_headers={"Idempotency-Key": key}) as events:
+        start = next(iter(events))
+    job_id = start.message.id.removeprefix("msg_")
+    with stack.client() as http:  # the client went away, but with a key its job goes on
+        assert wait_job(http, job_id)["status"] == "succeeded"
+    retried = greedy(client, max_tokens=20, extra_headers={"Idempotency-Key": key})
+    assert retried.id == start.message.id and retried.stop_reason
+    with pytest.raises(anthropic.ConflictError) as info:
+        greedy(client, max_tokens=21, extra_headers={"Idempotency-Key": key})
+    assert refusal(info, "invalid_request_error", 409)["code"] == "idempotency_conflict"
