@@ -325,7 +325,7 @@ def output_line(record: JobRecord, custom_id: str, chat: bool, echo: str) -> tup
         shape = Shape(f"{prefix}-{record.id}", record.model, int(record.created_at), chat=chat, logprobs=False,
                       echo=echo, text=record.text or "", tools=tools, content=record.content or "",
                       tool_calls=list(record.tool_calls or []), reasoning=record.reasoning_content or "",
-                      parsed=record.reasoning_content is not None)
+                      parsed=record.reasoning_content is not None, prompt_logprobs=record.prompt_logprobs)
         response = {"status_code": 200, "request_id": record.id, "body": shape.body(record.finish_reason, record.usage)}
         return True, _jsonl({"id": request_id(record.id), "custom_id": custom_id, "response": response, "error": None})
     error = job_error(JobEnd.of(record))

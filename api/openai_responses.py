@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ferry.api.errors import ApiError
 from ferry.worker.protocol import ErrorCode, TokenLogprob, Usage
+from ferry.worker.protocol.logprobs import PromptLogprobs
 from ferry.worker.protocol.tools import ChatDelta, ToolCall
 
 _INPUT_ERRORS = {
@@ -49,6 +50,15 @@ def chat_logprobs(logprobs: list[TokenLogprob]) -> dict:
     return {"content": [entry(lp) | {"top_logprobs": [entry(t) for t in lp.top]} for lp in logprobs]}
 
 
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs) -> list[dict | None]:
+    """vLLM's shape: per prompt position None (the first) or token id -> logprob, rank, decoded_token."""
+    def entry(position) -> dict:
+        return {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}
+                for tid, lp in position.items()}
+
+    return [None if position is None else entry(position) for position in prompt_logprobs]
+
+
 def usage_json(usage: Usage) -> dict:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -87,11 +97,14 @@ class Shape:
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls, once complete
     reasoning: str = ""  # a chat on a worker with a reasoning parser: the released thinking (reasoning_content)
     parsed: bool = False  # the events carry the chat parsed (`event.chat`): the answer is `content`, not `text`
+    prompt_logprobs: PromptLogprobs | None = None  # asked for: the prompt's, from the job's first token event
 
     def add(self, event) -> None:
         """Take in a token event's text (and, parsed, its content, reasoning and calls)."""
         self.text += event.text
         self.token_logprobs += event.logprobs or []
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.chat is not None:
             self.parsed = True
             self.content += event.chat.content
@@ -137,6 +150,16 @@ class Shape:
                   "finish_reason": None}
         return self._head("chat.completion.chunk") | {"choices": [choice]}
 
+    def prompt_logprobs_chunk(self, prompt_logprobs: PromptLogprobs) -> dict:
+        """A chunk that carries only the prompt's logprobs (vLLM's place: the choice's for completions,
+        the chunk's for chat), sent before the first token's."""
+        scored = prompt_logprobs_json(prompt_logprobs)
+        if self.chat:
+            choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": None}
+            return self._head("chat.completion.chunk") | {"choices": [choice], "prompt_logprobs": scored}
+        choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": None, "prompt_logprobs": scored}
+        return self._head("text_completion") | {"choices": [choice]}
+
     def usage_chunk(self, usage: Usage) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [],
@@ -158,9 +181,13 @@ class Shape:
                 "finish_reason": finish_reason,
             }
             head = self._head("chat.completion")
+            if self.prompt_logprobs is not None:
+                head["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs)
         else:
             lps = completion_logprobs(self.token_logprobs, 0) if self.logprobs else None
             choice = {"index": self.index, "text": self.echo + self.text, "logprobs": lps,
                       "finish_reason": finish_reason}
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs)
             head = self._head("text_completion")
         return head | {"choices": [choice], "usage": usage_json(usage)}

@@ -67,9 +67,6 @@ UNSUPPORTED_FIELDS = {
     "function_call": "OpenAI's older spelling of tool_choice; use tools and tool_choice",
     **{f"guided_{kind}": "vLLM's older spelling; use structured_outputs"
        for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
-    # The engine computes logits only at the positions it samples, and a prefix-cache hit skips the
-    # prompt's cached tokens altogether: a prompt's logprobs would need a prefill of their own.
-    "prompt_logprobs": "the engine computes logits only where it samples, not over the prompt",
 }
 MAX_N = 16  # choices per request: each is a job of its own, sharing the prompt's KV through the prefix cache
 OPENAI_MAX_STOP = 4  # stop strings OpenAI allows (jobs take more: worker.protocol.sampling)
@@ -162,11 +159,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position None (the first) or token id -> its logprob and rank
+PromptLogprobsJson = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsJson | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -214,6 +222,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage | None = None
+    prompt_logprobs: PromptLogprobsJson | None = None
 
 
 class ModelCard(BaseModel):

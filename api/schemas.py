@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from ferry.worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
 from ferry.worker.protocol.fields import JobSeconds, Metadata, check_json, sampling_annotation
+from ferry.worker.protocol.logprobs import PromptLogprobs
 from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.tools import ToolCall
 
@@ -58,6 +59,7 @@ class JobOutput(BaseModel):
     content: str | None = None  # a chat with tools or a reasoning parser: the answer's text (no calls, no thinking)
     reasoning_content: str | None = None  # a chat on a worker with a reasoning parser: the think block's text
     tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of `text`
+    prompt_logprobs: PromptLogprobs | None = None  # asked for: each prompt token's logprob and the top-n there
 
 
 class JobErrorInfo(BaseModel):

@@ -80,6 +80,7 @@ def job_view(record: JobRecord, deliveries: dict[str, str] | None = None) -> Job
             content=record.content,
             reasoning_content=record.reasoning_content,
             tool_calls=record.tool_calls,
+            prompt_logprobs=record.prompt_logprobs,
         )
     error = JobErrorInfo(code=record.error_code, message=record.error_message or "") if record.error_code else None
     return JobView(

@@ -190,6 +190,9 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
 
     def render(event: Event) -> list[str]:
         """The SSE messages for one event; the last event's end with `[DONE]`."""
+        if event.type == "token" and event.prompt_logprobs is not None:  # the first token's: the prompt's first
+            return [chunk(shape.prompt_logprobs_chunk(event.prompt_logprobs))] + render(
+                event.model_copy(update={"prompt_logprobs": None}))
         if event.type == "token" and (shape.tools or event.chat is not None):  # a parsed chat
             piece = shape.chat_delta_chunk(event.chat or ChatDelta(), event.logprobs)
             shape.add(event)

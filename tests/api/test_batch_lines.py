@@ -74,7 +74,7 @@ def build(raw: bytes, endpoint: str = CHAT):
     (line("x", temperature=-1), "invalid_request"),
     (line("x", stream=True), "unsupported_parameter"),
     (line("x", use_beam_search=True), "unsupported_parameter"),  # unknown: refused as the live route refuses it
-    (line("x", prompt_logprobs=1), "unsupported_parameter"),
+    (line("x", prompt_logprobs=30), "invalid_request"),  # over the limit, as live
     (line("x", model="nobody"), "model_not_found"),
 ])
 def test_a_request_the_live_route_refuses_is_that_lines_answer(raw, code):

@@ -6,6 +6,8 @@ import json
 
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tests.api.conftest import KEY_A, MODEL
 
@@ -204,3 +206,28 @@ def wait_job(http, job_id: str) -> dict:
         for _ in events.iter_lines():
             pass
     return http.get(f"/v1/jobs/{job_id}").json()
+
+
+def test_prompt_logprobs_are_the_models_own_whole_and_streamed(client, tiny_model_factory):
+    """vLLM's prompt_logprobs: each prompt token's logprob given those before it (and its rank), against
+    transformers' forward on the worker's own weights; streamed, they come in a chunk before the first token."""
+    prompt = [5, 9, 13, 21, 34, 55, 89, 144]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("llama"), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "extra_body": {"prompt_logprobs": 2}}
+    scored = client.completions.create(**body).choices[0].model_extra["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    for position in range(1, len(prompt)):
+        entry, expected = scored[position], reference[position - 1]
+        token = prompt[position]
+        assert entry[str(token)]["logprob"] == pytest.approx(expected[token].item(), abs=2e-4)
+        assert entry[str(token)]["rank"] == int((expected > expected[token]).sum()) + 1
+        assert {str(t) for t in expected.topk(2).indices.tolist()} <= set(entry)
+    chunks = list(client.completions.create(**body, stream=True))
+    streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert streamed[0] == scored and not any(streamed[1:])
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # a scored prompt skips the prefix cache

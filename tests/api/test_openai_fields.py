@@ -96,7 +96,7 @@ COMMON = {
     "guided_choice": Case(["a"], refused=True),
     "guided_grammar": Case("root ::= 'a'", refused=True),
     "guided_decoding_backend": Case("xgrammar", refused=True),
-    "prompt_logprobs": Case(1, refused=True),
+    "prompt_logprobs": Case(1),
     "max_tokens": Case(3),
     "temperature": Case(50.0, {"seed": 0}),
     "top_p": Case(0.01, FLAT),

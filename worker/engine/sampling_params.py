@@ -53,7 +53,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = _default("truncate_prompt_tokens")  # keep the last k prompt tokens
     # The logprob of each prompt token given the ones before it, with the top-n at its position; such a
     # prompt skips the prefix cache (a cached block has KV but no logits).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = _default("prompt_logprobs")
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached KV only with equal salts
     # A grammar the output must match (JSON schema, regex, choice, EBNF); a dict of its fields is accepted too.

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from ferry.worker.protocol.codec import decoded, text
 from ferry.worker.protocol.jobs import JobState, Timings, TokenLogprob, Usage
+from ferry.worker.protocol.logprobs import PromptLogprobs
 from ferry.worker.protocol.tools import ChatDelta, ToolCall
 
 
@@ -38,6 +39,7 @@ class TokenEvent(_EventBase):
     logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
     chat: ChatDelta | None = None  # a chat with tools or a reasoning parser: `text` parsed into content,
     # reasoning and tool-call pieces
+    prompt_logprobs: PromptLogprobs | None = None  # the job's first token event, when it asked for them
 
 
 class CompletedEvent(_EventBase):

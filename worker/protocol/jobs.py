@@ -28,6 +28,7 @@ from ferry.worker.protocol.fields import (
     sampling_fields,
 )
 from ferry.worker.protocol.lanes import Priority
+from ferry.worker.protocol.logprobs import PromptLogprobs
 from ferry.worker.protocol.sampling import LIMITS, SAMPLING_LIMITS, combination_problem
 from ferry.worker.protocol.structured import StructuredOutputsRequest
 from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_tool_choice, forced_tool_schema
@@ -298,7 +299,7 @@ class Envelope(BaseModel):
         return cls.model_validate(decoded(fields))
 
 
-_JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason", "tool_calls")
+_JSON_FIELDS = ("request", "token_ids", "usage", "timings", "stop_reason", "tool_calls", "prompt_logprobs")
 
 
 def _encode_fields(values: dict[str, Any]) -> dict[str, str]:
@@ -329,6 +330,7 @@ class JobResult(BaseModel):
     content: str | None = None  # a chat with tools or a reasoning parser: the answer's text (no calls, no thinking)
     reasoning_content: str | None = None  # a chat with a reasoning parser: the text of its think block
     tool_calls: list[ToolCall] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     usage: Usage | None = None
     timings: Timings | None = None
     error_code: str | None = None
@@ -365,6 +367,7 @@ class JobRecord(BaseModel):
     content: str | None = None  # a chat with tools or a reasoning parser: the answer's text, once terminal
     reasoning_content: str | None = None  # a chat with a reasoning parser: its thinking, once terminal
     tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of the output
+    prompt_logprobs: PromptLogprobs | None = None  # asked for with prompt_logprobs, once terminal
     usage: Usage | None = None
     timings: Timings | None = None
     error_code: str | None = None

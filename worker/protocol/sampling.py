@@ -210,5 +210,8 @@ SAMPLING_LIMITS: tuple[Limit, ...] = (
           "(Hugging Face's slow-tokenizer decode)"),
     Limit("truncate_prompt_tokens", int, None, ge=1, le=MAX_TOKENS_LIMIT, nullable=True,
           doc="keep only the last k prompt tokens"),
+    Limit("prompt_logprobs", int, None, ge=0, le=MAX_LOGPROBS, nullable=True,
+          doc="the logprob of each prompt token and the top-n at its position (the prompt is computed whole: "
+          "it skips the prefix cache)"),
 )
 LIMITS = {limit.name: limit for limit in SAMPLING_LIMITS}

@@ -31,6 +31,7 @@ from ferry.worker.protocol import (
     TopLogprob,
     Usage,
 )
+from ferry.worker.protocol.logprobs import PromptLogprobs, RankedLogprob
 from ferry.worker.protocol.tools import ChatDelta, NamedToolChoice
 from ferry.worker.serve.errors import error_code
 from ferry.worker.serve.job_starts import JobStart
@@ -60,6 +61,7 @@ class JobRun:
     pending: list = field(default_factory=list)  # events not handed over yet (a background job's: a few steps')
     admitted_at: float | None = None  # unix time it entered the engine (None: it did not)
     engine_metrics: RequestMetrics | None = None  # the engine's times of this attempt, once it ended
+    prompt_logprobs: PromptLogprobs | None = None  # asked for: the prompt's, from the engine's first output
 
     @classmethod
     def begin(cls, job: JobStart, tool_call_parser: str, reasoning: Reasoning | None = None) -> JobRun:
@@ -134,9 +136,14 @@ class JobOutput:
             run.token_ids += out.new_token_ids
             run.text.append(out.new_text)
             run.cached_tokens = min(out.num_cached_tokens, run.prompt_len)
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None:
+                run.prompt_logprobs = _prompt_logprobs(out)
+                # On the job's first token event only: a resumed attempt's client has them already.
+                prompt_logprobs = run.prompt_logprobs if not run.start.streamed.token_ids else None
             _pend_token(run, TokenEvent(seq=run.seq(), text=out.new_text, token_ids=out.new_token_ids,
                                         logprobs=_logprobs(out, request.top_logprobs),
-                                        chat=run.parse(out.new_text)))
+                                        chat=run.parse(out.new_text), prompt_logprobs=prompt_logprobs))
         elif out.new_text:  # held-back text released at the end
             run.text.append(out.new_text)
             run.pending.append(TokenEvent(seq=run.seq(), text=out.new_text, token_ids=[],
@@ -182,6 +189,8 @@ class JobOutput:
         self.metrics.e2e.observe(event.ts - run.start.request.created_at, self._exemplar(run))
         output = {"text": "".join(run.text), "token_ids": run.token_ids, "usage": usage(run),
                   "timings": timings(run, event.ts)}
+        if run.prompt_logprobs is not None:
+            output["prompt_logprobs"] = run.prompt_logprobs
         if isinstance(event, CompletedEvent):
             output |= {"finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
             if run.tools is not None:
@@ -269,6 +278,14 @@ def _pend_token(run: JobRun, event: TokenEvent) -> None:
 
 def _pending_tokens(run: JobRun) -> int:
     return sum(len(e.token_ids) for e in run.pending if isinstance(e, TokenEvent))
+
+
+def _prompt_logprobs(out: RequestOutput) -> PromptLogprobs:
+    def ranked(position) -> dict[int, RankedLogprob]:
+        return {tid: RankedLogprob(logprob=lp.logprob, rank=lp.rank, token=lp.decoded_token)
+                for tid, lp in position.items()}
+
+    return [None if position is None else ranked(position) for position in out.prompt_logprobs]
 
 
 def _logprobs(out: RequestOutput, top_n: int) -> list[TokenLogprob] | None:
