@@ -36,7 +36,7 @@ ALLOWED = {
     "ferry.kernels": set(),
     "ferry.worker.common": set(),
     "ferry.worker.protocol": {"ferry.worker.common"},
-    "ferry.worker.models": {"ferry.kernels"},
+    "ferry.worker.models": {"ferry.kernels", "ferry.worker.common.objectstore"},  # S3 model sources share its client
     "ferry.worker.engine": {"ferry.worker.models", "ferry.kernels", "ferry.worker.protocol.sampling",
                             "ferry.worker.protocol.structured"},
     "ferry.worker.snapshots": {"ferry.worker.engine", "ferry.worker.models", "ferry.worker.common.objectstore"},

@@ -158,6 +158,19 @@ def _chunks(src) -> Iterator[bytes]:
             yield chunk
 
 
+def s3_client(endpoint_url: str | None = None, max_connections: int = 10):
+    """A boto3 S3 client on `endpoint_url`, else `FERRY_S3_ENDPOINT_URL`, else AWS; credentials
+    and region from the standard chain. `max_connections`: its HTTP pool (one per parallel call)."""
+    import boto3
+    from botocore.config import Config
+
+    endpoint_url = endpoint_url or os.environ.get("FERRY_S3_ENDPOINT_URL") or None
+    # Few, quick retries: an unreachable store must turn into a cold start, not a long hang.
+    config = Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"},
+                    max_pool_connections=max_connections)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+
+
 class S3Store:
     """`s3://bucket/prefix` through boto3; large files go up and down in parallel multipart chunks."""
 
@@ -169,17 +182,12 @@ class S3Store:
         multipart_threshold: int = 64 << 20,
         multipart_chunksize: int = 16 << 20,
     ) -> None:
-        import boto3
         from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        endpoint_url = endpoint_url or os.environ.get("FERRY_S3_ENDPOINT_URL") or None
-        # Few, quick retries: an unreachable store must turn into a cold start, not a long hang.
-        config = Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"})
-        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+        self.client = s3_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunksize)
 
     def _key(self, name: str) -> str:
@@ -252,4 +260,4 @@ class S3Store:
             raise StoreError(f"S3 {verb} {self.url}/{name}: {exc}") from exc
 
 
-__all__ = ["FileStore", "ObjectStore", "Progress", "S3Store", "StoreError", "open_store"]
+__all__ = ["FileStore", "ObjectStore", "Progress", "S3Store", "StoreError", "open_store", "s3_client"]

@@ -76,7 +76,7 @@ def load(config: EngineConfig) -> LoadedModel:
         device = torch.device("cuda", 0)  # rank r runs on cuda:r
     # Quantized weights load on one rank only: the format's default at tensor_parallel_size > 1 is float.
     requested = config.quantization if tp == 1 or config.quantization is not None else "none"
-    quantization = resolve_quantization(requested, gguf_file(config.model), device, dtype)
+    quantization = resolve_quantization(requested, gguf_file(config.model, config.model_cache_dir), device, dtype)
     spec = RankSpec(
         model_dir=str(model_dir), arch=arch, dtype=dtype, device_type=device.type, max_model_len=max_model_len,
         block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,

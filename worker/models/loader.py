@@ -17,12 +17,13 @@ from tqdm import tqdm
 from ferry.kernels.ops import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from ferry.worker.models.bundled import bundled_model_file
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
-from ferry.worker.models.errors import ModelNotFoundError
+from ferry.worker.models.errors import ModelNotFoundError, ModelSourceError
 from ferry.worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from ferry.worker.models.gguf_cache import converted_checkpoint
 from ferry.worker.models.llama import LlamaModel
 from ferry.worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
 from ferry.worker.models.sharding import UNSHARDED, Shard, TensorParallelError, checkpoint_index, local_arch
+from ferry.worker.models.sources import fetch_model, parse_ref
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,16 @@ DTYPES = {
 def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
     """The Hugging Face checkpoint directory to load for `model`:
 
+    - `hf://org/name[@revision]` or `s3://bucket/prefix/` (a GGUF inside either too): downloaded
+      once per node into `cache_dir` (worker/models/sources/), then as below;
     - a `.gguf` file, or a directory holding exactly one `.gguf` and no config.json: its conversion
       in `cache_dir` (made on first use, see gguf_cache.py);
     - a local directory with config.json, as is;
     - the name of a model that ships in an installed package (`smollm2-135m-instruct`, see
       bundled.py), unless a path of that name exists: its GGUF, converted as above;
-    - a hub id (`org/name`) from the local Hugging Face cache only."""
+    - a hub id (`org/name`): from the local Hugging Face cache when it is there (no network),
+      else downloaded as `hf://org/name`."""
+    model = local_model(model, cache_dir)
     gguf = gguf_file(model)
     if gguf is not None:
         return converted_checkpoint(gguf, Path(cache_dir).expanduser())
@@ -62,22 +67,40 @@ def resolve_model_path(model: str | os.PathLike, cache_dir: str | os.PathLike) -
 
             cached = Path(snapshot_download(name, local_files_only=True))
         except Exception as exc:  # huggingface_hub raises several types for "not cached"
-            raise ModelNotFoundError(
-                f"model {name!r} is not a local directory and not in the local Hugging Face cache "
-                f"(no download is attempted): {exc.__class__.__name__}"
-            ) from None
+            if "/" not in name:
+                raise ModelNotFoundError(f"model {name!r} is not a local directory and not in the local Hugging Face "
+                                         f"cache: {exc.__class__.__name__}") from None
+            return _downloaded_hub_id(name, cache_dir)
         if (cached / "config.json").is_file():
             return cached
     raise ModelNotFoundError(
         f"model {name!r} not found: give a local directory with config.json and safetensors weights, "
-        "a .gguf file, a bundled model name (smollm2-135m-instruct), or a hub id already in the local cache"
+        "a .gguf file, a bundled model name (smollm2-135m-instruct), a hub id, hf://org/name or s3://bucket/prefix/"
     )
 
 
-def gguf_file(model: str | os.PathLike) -> Path | None:
+def local_model(model: str | os.PathLike, cache_dir: str | os.PathLike,
+                max_bytes: int | None = None) -> str | os.PathLike:
+    """`model` itself, or for an `hf://` / `s3://` reference its copy in the node's cache (downloaded
+    now unless already there; `max_bytes` caps the cache): a checkpoint directory or a .gguf file."""
+    ref = parse_ref(str(model))
+    return model if ref is None else fetch_model(ref, Path(cache_dir).expanduser(), max_bytes)
+
+
+def _downloaded_hub_id(name: str, cache_dir: str | os.PathLike) -> Path:
+    try:
+        local = fetch_model(parse_ref(f"hf://{name}"), Path(cache_dir).expanduser())
+    except ModelSourceError as exc:
+        raise ModelSourceError(f"model {name!r} is not in the local Hugging Face cache, and {exc}") from None
+    return resolve_model_path(local, cache_dir)
+
+
+def gguf_file(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
     """The GGUF file `model` names (a `.gguf` file, a directory holding exactly one `.gguf` and
     no config.json, or a bundled model's name when no path of that name exists), resolved; None
-    for anything else."""
+    for anything else. An `hf://` or `s3://` reference is looked up in `cache_dir`'s copy."""
+    if cache_dir is not None:
+        model = local_model(model, cache_dir)
     path = Path(model).expanduser()
     if not path.exists() and (bundled := bundled_model_file(str(model))) is not None:
         return bundled.resolve()

@@ -13,9 +13,9 @@ _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # weight data hashed per file
 
 
 def fingerprint(engine: Engine) -> str:
-    """sha256 of the model's config, weight files (names, sizes, header and data samples), dtype,
-    quantization, block size, KV layout, tensor-parallel size and the prefix cache's key salt. A
-    snapshot restores only into an engine with the same fingerprint."""
+    """sha256 of the model's config, weight files (names, sizes, header and data samples), the Hub
+    commit it was downloaded at, dtype, quantization, block size, KV layout, tensor-parallel size
+    and the prefix cache's key salt. A snapshot restores only into an engine with the same fingerprint."""
     config = json.loads((engine.model_dir / "config.json").read_text())
     config.pop("transformers_version", None)  # re-saving with another library release changes nothing
     layout = engine.prefix_blocks.layout
@@ -31,6 +31,9 @@ def fingerprint(engine: Engine) -> str:
         "kv_block_shape": list(layout.block_shape),
         "model_salt": engine.model_salt,  # block keys are salted with it
     }
+    source = engine.model_dir / "source.json"  # a model downloaded from the Hub: the commit it came from
+    if source.is_file() and (meta := json.loads(source.read_text())).get("scheme") == "hf":
+        parts["revision"] = meta["version"]
     if engine.quantization != "none":  # an unquantized engine's fingerprint stays what it was
         parts["quantization"] = engine.quantization
     if engine.tensor_parallel_size > 1:  # other partial sums, other KV bits: blocks stay within one layout

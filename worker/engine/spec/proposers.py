@@ -80,7 +80,7 @@ def load_draft(
             f"below max_model_len={max_model_len}"
         )
     _check_same_tokens(path, arch, target, target_tokenizer)
-    quantization = resolve_quantization(None, gguf_file(directory), device, dtype)  # the draft format's default
+    quantization = resolve_quantization(None, gguf_file(directory, cache_dir), device, dtype)  # the format's default
     return load_model(path, arch, dtype, device, max_model_len, quantization), arch
 
 
