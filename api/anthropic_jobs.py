@@ -73,7 +73,7 @@ def chat_messages(body: MessagesRequest) -> list[Message]:
 
 def _messages(message: InputMessage) -> list[Message]:
     if message.role == "assistant":
-        parts = [TextPart(text=b.text) for b in message.content if b.type == "text"]
+        parts = [TextPart(text=b.text) for b in message.content if b.type == "text"]  # thinking blocks: left out
         calls = [ToolCall(id=b.id, function=FunctionCall(name=b.name,
                                                          arguments=json.dumps(b.input, ensure_ascii=False)))
                  for b in message.content if b.type == "tool_use"]

@@ -1,12 +1,13 @@
 """A job's events in Anthropic's shapes: the message of `POST /v1/messages`, or its stream.
 
 One `MessageBuilder` per job takes in its token events in order and keeps the content blocks they
-make (text, and with tools each call as a `tool_use` block), so the whole message and the stream
-are the same blocks. The stream is Anthropic's named SSE events:
+make (a reasoning worker's thinking as a `thinking` block, text, and with tools each call as a
+`tool_use` block), so the whole message and the stream are the same blocks. The stream is
+Anthropic's named SSE events:
 
     message_start                        the message, without content or stop reason
     content_block_start                  a block opens (text "", or a tool_use with input {})
-    content_block_delta *                text_delta, or input_json_delta (pieces of the input's JSON)
+    content_block_delta *                thinking_delta, text_delta, or input_json_delta (the input's JSON)
     content_block_stop                   ... then the next block, if any
     message_delta                        stop_reason, stop_sequence and the usage
     message_stop
@@ -71,11 +72,17 @@ class MessageBuilder:
 
     def add(self, event: TokenEvent) -> list[str]:
         """Take in a token event; returns the stream's events for what it adds."""
-        if event.chat is not None:  # the worker parsed the text (tool calls; its thinking, left out here)
+        if event.chat is not None:  # the worker parsed the text: its thinking, content and tool calls
             delta = event.chat
         else:  # unparsed: with tools, text is never released so; without, it is all content
             delta = ChatDelta() if self.tools else ChatDelta(content=event.text)
         out: list[str] = []
+        if delta.reasoning_content:
+            if not self.blocks or self.blocks[-1]["type"] != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            self.blocks[-1]["thinking"] += delta.reasoning_content
+            out.append(self._delta(len(self.blocks) - 1, {"type": "thinking_delta",
+                                                          "thinking": delta.reasoning_content}))
         if delta.content:
             if not self.blocks or self.blocks[-1]["type"] != "text":
                 out += self._open({"type": "text", "text": ""})

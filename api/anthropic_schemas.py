@@ -4,7 +4,8 @@ client sends, and the message it reads back.
 Only what Ferry implements is declared. Any other field is refused with a 422 naming it, as on the
 OpenAI routes, never ignored: an unknown one as `unsupported_parameter` ("unknown field"), the
 ones Anthropic's clients commonly send with the reason (`REFUSED_FIELDS`); a content block other
-than text, tool_use and tool_result (an image, a document, thinking) is refused by its `type`.
+than text, tool_use, tool_result and a thinking block given back (an image, a document) is refused
+by its `type`.
 docs/api.md lists every field and what it does.
 """
 
@@ -71,7 +72,17 @@ class ToolResultBlock(_Strict):
         return "".join(b.text for b in self.content)
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Strict):
+    """An assistant's earlier thinking, as clients give a message's content back: accepted and left
+    out of the prompt (chat templates drop earlier turns' thinking)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted_thinking's
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class InputMessage(_Strict):
@@ -80,9 +91,10 @@ class InputMessage(_Strict):
 
     @model_validator(mode="after")
     def _blocks_of_its_role(self) -> InputMessage:
-        wrong = "tool_result" if self.role == "assistant" else "tool_use"
-        if any(block.type == wrong for block in self.content):
-            raise ValueError(f"{self.role} messages cannot carry {wrong} blocks")
+        wrong = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking", "redacted_thinking")
+        for block in self.content:
+            if block.type in wrong:
+                raise ValueError(f"{self.role} messages cannot carry {block.type} blocks")
         return self
 
 
@@ -152,6 +164,15 @@ class ResponseTextBlock(BaseModel):
     text: str
 
 
+class ResponseThinkingBlock(BaseModel):
+    """A reasoning worker's thinking (`FERRY_REASONING_PARSER`); unsigned: Ferry does not check a
+    thinking block given back, it leaves it out of the next prompt."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ResponseToolUseBlock(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -178,7 +199,8 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[Annotated[ResponseTextBlock | ResponseToolUseBlock, Field(discriminator="type")]]
+    content: list[Annotated[ResponseThinkingBlock | ResponseTextBlock | ResponseToolUseBlock,
+                            Field(discriminator="type")]]
     stop_reason: StopReason | None  # None only in the stream's `message_start`
     stop_sequence: str | None = None  # the stop sequence that ended the output
     usage: MessageUsage

@@ -23,7 +23,8 @@ _STATUS = {JobState.queued: "queued", JobState.running: "in_progress", JobState.
 def usage_json(usage: Usage | None, reasoning_tokens: int = 0) -> dict | None:
     if usage is None:
         return None
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.total_tokens}
@@ -98,7 +99,7 @@ def response_object(record: JobRecord, meta: ResponseMeta) -> dict:
     if not record.terminal:
         return response
     if record.state == JobState.succeeded:
-        reasoning = getattr(record, "reasoning_content", None)
+        reasoning = record.reasoning_content
         if reasoning:
             response["output"].append(reasoning_item(record.id, reasoning))
         text = record.content if record.content is not None else record.text
@@ -135,8 +136,8 @@ class ResponseEvents:
         out = [self._event("response.output_item.added", output_index=len(self.response["output"]) - 1,
                            item=dict(item, content=[]) if "content" in item else dict(item))]
         if item["type"] in ("message", "reasoning"):
-            part = {"type": "output_text", "text": "", "annotations": []} if item["type"] == "message" else {
-                "type": "reasoning_text", "text": ""}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
+                if item["type"] == "message" else {"type": "reasoning_text", "text": ""}
             item["content"] = [part]
             out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index(),
                                    content_index=0, part=dict(part)))
@@ -211,7 +212,7 @@ class ResponseEvents:
         if chat is None:
             return self._text("message", event.text) if event.text else []
         out: list[dict] = []
-        reasoning = getattr(chat, "reasoning_content", "")
+        reasoning = chat.reasoning_content
         if reasoning:
             out += self._text("reasoning", reasoning)
         if chat.content:

@@ -11,12 +11,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.api.conftest import KEY_A, KEY_B, MODEL, Proc, api_keys_setting, free_port, stack_env, wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 GREEDY = {"temperature": 0.0}
+STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
           "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -55,15 +58,19 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(client):
     assert r.status == ("incomplete" if r.usage.output_tokens == 12 else "completed")
     if r.status == "incomplete":
         assert r.incomplete_details.reason == "max_output_tokens"
-    # Stored: it reads back the same.
+    # Stored: it reads back the same, in a body the client's own type takes strictly (not only leniently).
     again = client.responses.retrieve(r.id)
     assert again.output_text == text and again.status == r.status
+    raw = client.responses.with_raw_response.retrieve(r.id).http_response.json()
+    assert Response.model_validate(raw).output_text == text
 
 
 def test_a_stream_is_gapless_typed_events_that_add_up_to_the_answer(client):
     events = events_of(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=10, stream=True,
                                                **GREEDY))
     check_gapless(events)
+    for event in events:  # each event as the client's own types take it, strictly
+        STREAM_EVENT.validate_python(event.model_dump(exclude_unset=True))
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
