@@ -20,6 +20,7 @@ COMMANDS = {
     "api": ("ferry.api.main", "main", "run the HTTP API (FastAPI + uvicorn)"),
     "webhooks": ("ferry.worker.webhooks.cli", "main", "run the Celery worker that delivers signed webhooks"),
     "up": ("ferry.worker.tools.up", "main", "run the whole stack on this machine (--demo streams a few completions)"),
+    "models": ("ferry.worker.models.cli", "main", "pull, list (ls) or remove (rm) models in the node's cache"),
     "snapshot": ("ferry.worker.snapshots.cli", "main", "save, load or inspect prefix-cache snapshots"),
     "autoscale": ("ferry.autoscaler", "main", "compute and publish the desired worker count from queue backlog"),
     "bench": ("bench.cli", "main", "run benchmark suites and write JSON + plots to bench/results/"),

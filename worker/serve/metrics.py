@@ -110,6 +110,11 @@ class WorkerMetrics:
             "ferry_queue_lag", "Jobs in this model's queues not yet delivered to a worker", registry=r
         )
         self.ready = Gauge("ferry_worker_ready", "1 once the model (and snapshot) are loaded", registry=r)
+        self.model_load = Gauge(
+            "ferry_model_load_seconds", "Start-up, by phase: download (weights into the node's model cache; 0 when "
+            "cached or local), load (weights into the engine), warmup (snapshot restore and the rest until ready)",
+            ["phase"], registry=r,
+        )
         self._engine = _EngineCollector()
         r.register(self._engine)
 

@@ -21,6 +21,7 @@ from pydantic_settings import PydanticBaseSettingsSource
 from ferry.worker.common.settings import FerrySettings
 from ferry.worker.engine.config import EngineConfig, SpeculativeConfig
 from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
+from ferry.worker.models.sources import BadReferenceError, parse_ref
 from ferry.worker.serve.reasoning_parsers import PARSERS as REASONING_PARSERS
 from ferry.worker.serve.tool_parsers import DEFAULT_PARSER, PARSERS
 
@@ -44,6 +45,8 @@ class _EngineEnvironment(PydanticBaseSettingsSource):
         # An empty variable is an unset one (an image can say FERRY_MODEL= to mean the default).
         engine = {f.name: env[f"{_PREFIX}{f.name.upper()}"] for f in fields(EngineConfig)
                   if f.name != "speculative" and env.get(f"{_PREFIX}{f.name.upper()}", "") != ""}
+        if "model_cache_dir" not in engine and env.get(f"{_PREFIX}MODEL_CACHE", "") != "":
+            engine["model_cache_dir"] = env[f"{_PREFIX}MODEL_CACHE"]  # the documented name; _DIR is the field's
         spec_prefix = f"{_PREFIX}SPECULATIVE_"
         spec_names = {f.name.upper(): f.name for f in fields(SpeculativeConfig)}
         unknown = sorted(n for n in env if n.startswith(spec_prefix) and n[len(spec_prefix):] not in spec_names)
@@ -68,6 +71,9 @@ class WorkerSettings(FerrySettings):
     reasoning_parser: Literal[tuple(REASONING_PARSERS)] | None = None  # type: ignore[valid-type]
 
     worker_id: str | None = None  # default: hostname-pid
+    # The node's model cache (FERRY_MODEL_CACHE, the engine's model_cache_dir) is capped at this
+    # many GB: least recently used downloads are removed after a new one (worker/models/sources/)
+    model_cache_max_gb: float | None = Field(None, gt=0)
 
     # Snapshots of the prefix cache
     snapshot_url: str | None = None  # file:///dir or s3://bucket/prefix
@@ -120,11 +126,16 @@ class WorkerSettings(FerrySettings):
         """Every environment variable these settings read."""
         own = super().variable_names() - {f"{_PREFIX}ENGINE"}
         engine = {f"{_PREFIX}{f.name.upper()}" for f in fields(EngineConfig) if f.name != "speculative"}
-        return own | engine | {f"{_PREFIX}SPECULATIVE_{f.name.upper()}" for f in fields(SpeculativeConfig)}
+        speculative = {f"{_PREFIX}SPECULATIVE_{f.name.upper()}" for f in fields(SpeculativeConfig)}
+        return own | engine | speculative | {f"{_PREFIX}MODEL_CACHE"}
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or Path(self.engine.model.rstrip("/")).name
+        try:
+            ref = parse_ref(self.engine.model)  # hf://org/name@rev serves as "name", s3://b/p/ as "p"
+        except BadReferenceError:
+            ref = None  # loading refuses it, naming the reference
+        return self.model_name or (ref.served_name if ref else Path(self.engine.model.rstrip("/")).name)
 
     @property
     def lease_renew_interval_s(self) -> float:

@@ -3,6 +3,7 @@ snapshot restored into it, the engine loop around it, and the intake's own promp
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.worker.engine import Engine
+from ferry.worker.models.loader import local_model
 from ferry.worker.serve.engine_loop import EngineLoop
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.pacing import BackgroundPacing
@@ -44,7 +46,13 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     started = time.monotonic()
-    engine = Engine.from_config(settings.engine)
+    # Download first (an hf:// or s3:// model), so the engine loads from the node's cache and each
+    # phase has its own time.
+    max_bytes = None if settings.model_cache_max_gb is None else int(settings.model_cache_max_gb * 1e9)
+    model = local_model(settings.engine.model, settings.engine.model_cache_dir, max_bytes)
+    downloaded = time.monotonic()
+    engine = Engine.from_config(dataclasses.replace(settings.engine, model=str(model)))
+    engine_built = time.monotonic()
     try:
         snapshots, idle_task = None, None
         if settings.snapshot_url:
@@ -70,6 +78,11 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
     # (bench.api: worker TTFT p50 +100 ms when it fell in a burst's first step).
     gc.collect()
     gc.freeze()
+    phases = {"download": downloaded - started, "load": engine_built - downloaded,
+              "warmup": time.monotonic() - engine_built}
+    for phase, seconds in phases.items():
+        metrics.model_load.labels(phase).set(seconds)
     log.info("engine loaded", extra={"model": settings.served_model_name, "fingerprint": served.fingerprint,
-                                     "seconds": round(time.monotonic() - started, 2)})
+                                     "seconds": round(time.monotonic() - started, 2),
+                                     **{f"{phase}_s": round(seconds, 2) for phase, seconds in phases.items()}})
     return served
