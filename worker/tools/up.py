@@ -160,20 +160,18 @@ def ensure_redis(sup: Supervisor, url: str, cluster: bool = False) -> None:
 
 def ensure_model(model: str) -> str:
     """The model to serve, as the worker will be told it: a path made absolute (children may run
-    elsewhere), a bundled model's name, or a hub id already in the local cache."""
+    elsewhere), a bundled model's name, a hub id, or an hf:// / s3:// reference (the worker
+    downloads it into the node's model cache)."""
     path = Path(model).expanduser()
     if path.exists():
         return str(path.resolve())
-    if model in BUNDLED_MODELS:
+    if model in BUNDLED_MODELS or model.startswith(("hf://", "s3://")):
         return model
     if _HUB_ID.match(model) and not model.startswith("."):
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache(model, "config.json"), str):
-            return model  # a hub id already in the local cache: the worker loads it
+        return model  # from the local Hugging Face cache, else downloaded from the Hub
     raise SystemExit(
         f"ferry up: no model at {path}; FERRY_MODEL must name an HF directory, a .gguf file, a bundled model "
-        f"({', '.join(BUNDLED_MODELS)}) or a hub id in the local cache"
+        f"({', '.join(BUNDLED_MODELS)}), a hub id, hf://org/name[@revision] or s3://bucket/prefix/"
     )
 
 
