@@ -44,8 +44,6 @@ from ferry.worker.protocol.jobs import (
     Message,
     TextPart,
     Timings,
-    TokenLogprob,
-    TopLogprob,
     UnreadableRecord,
     Usage,
     Webhook,
@@ -54,6 +52,7 @@ from ferry.worker.protocol.jobs import (
 )
 from ferry.worker.protocol.keys import GROUP, Keys
 from ferry.worker.protocol.lanes import LIVE_LANES, Priority
+from ferry.worker.protocol.logprobs import TokenLogprob, TopLogprob
 from ferry.worker.protocol.queue import (
     EnqueueResult,
     cancel_job,

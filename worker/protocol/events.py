@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from ferry.worker.protocol.codec import decoded, text
-from ferry.worker.protocol.jobs import JobState, Timings, TokenLogprob, Usage
-from ferry.worker.protocol.logprobs import PromptLogprobs
+from ferry.worker.protocol.jobs import JobState, Timings, Usage
+from ferry.worker.protocol.logprobs import PromptLogprobs, TokenLogprob
 from ferry.worker.protocol.tools import ChatDelta, ToolCall
 
 

@@ -260,21 +260,6 @@ class Timings(BaseModel):
     total_s: float | None = None  # accepted -> terminal
 
 
-class TopLogprob(BaseModel):
-    token_id: int
-    token: str | None = None
-    logprob: float
-
-
-class TokenLogprob(BaseModel):
-    """The sampled token's logprob and the most likely alternatives at its position."""
-
-    token_id: int
-    token: str | None = None
-    logprob: float
-    top: list[TopLogprob] = Field(default_factory=list)
-
-
 # --- the queue envelope and the job record ------------------------------------------------------
 
 
