@@ -22,10 +22,11 @@ from ferry.api.anthropic_responses import PING, MessageBuilder, stream_error
 from ferry.api.anthropic_schemas import MessageResponse, MessagesRequest, anthropic_error_responses
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError
+from ferry.api.job_wait import cancel_quietly
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_responses import job_error
 from ferry.api.ratelimit import admit_jobs
-from ferry.api.services import Services, cancel_job, check_against_model, resolve_model, services, submit
+from ferry.api.services import Services, check_against_model, resolve_model, services, submit
 from ferry.api.streaming import DEADLINE_MARGIN_S, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, prime
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event
 
@@ -72,10 +73,6 @@ async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_
     return await _whole(svc, http, job_id, events, message, deadline_s, keep)
 
 
-async def _cancel_quietly(svc: Services, job_id: str) -> None:
-    with anyio.CancelScope(shield=True):
-        await cancel_job(svc, job_id)
-
 
 async def _whole(svc: Services, http: Request, job_id: str, events, message: MessageBuilder, deadline_s: float,
                  keep: bool):
@@ -105,7 +102,7 @@ async def _whole(svc: Services, http: Request, job_id: str, events, message: Mes
         with anyio.CancelScope(shield=True):
             await events.aclose()
         if not ended and (timed_out or not keep):
-            await _cancel_quietly(svc, job_id)
+            await cancel_quietly(svc, job_id)
     raise ApiError(503, "shutting_down", "this server is shutting down; retry", headers={"Retry-After": "1"})
 
 
@@ -150,6 +147,6 @@ async def _stream(svc: Services, job_id: str, events, message: MessageBuilder, d
                 await events.aclose()
             # The client went away, time ran out, or the process is shutting down.
             if not ended and (timed_out or not keep):
-                await _cancel_quietly(svc, job_id)
+                await cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

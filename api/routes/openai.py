@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError, error_body, unsupported
+from ferry.api.job_wait import cancel_quietly
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_jobs import chat_jobs, completion_jobs
 from ferry.api.openai_responses import Shape, job_error, usage_json
@@ -35,7 +36,6 @@ from ferry.api.ratelimit import admit_jobs
 from ferry.api.schemas import error_responses
 from ferry.api.services import (
     Services,
-    cancel_job,
     check_against_model,
     live,
     refund,
@@ -70,10 +70,6 @@ _ENDED = object()  # what anext() gives for a follow that has ended
 
 # --- running a job for one HTTP request ----------------------------------------------------------
 
-
-async def _cancel_quietly(svc: Services, job_id: str) -> None:
-    with anyio.CancelScope(shield=True):
-        await cancel_job(svc, job_id)
 
 
 def choice_key(idempotency_key: str | None, index: int) -> str | None:
@@ -145,7 +141,7 @@ async def _answer(svc: Services, http: Request, jobs: list[JobRequest], shape_fo
 
 async def _cancel_all(svc: Services, job_ids: list[str]) -> None:
     for job_id in job_ids:
-        await _cancel_quietly(svc, job_id)
+        await cancel_quietly(svc, job_id)
 
 
 async def _collect(svc: Services, http: Request, shape: Shape, job_id: str) -> Event | None:
@@ -248,7 +244,7 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
             # The client went away mid-stream (its job goes on only for a retry with its
             # Idempotency-Key), or the deadline passed.
             if not finished and not svc.hub.stopping and not (keep_on_disconnect and not timed_out):
-                await _cancel_quietly(svc, job_id)
+                await cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 

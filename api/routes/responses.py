@@ -10,7 +10,6 @@ API process, and its stream is rebuilt from the job's durable events (`api.respo
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated, Literal
 
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError, unsupported
+from ferry.api.job_wait import cancel_quietly, wait_for_end
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_responses import job_error
 from ferry.api.ratelimit import admit_jobs
@@ -58,10 +58,6 @@ async def _stored(svc: Services, ident: str, tenant_name: str) -> tuple[JobRecor
         raise ApiError(404, "response_not_found", f"response {ident!r} not found")
     return record, meta
 
-
-async def _cancel_quietly(svc: Services, job_id: str) -> None:
-    with anyio.CancelScope(shield=True):
-        await cancel_job(svc, job_id)
 
 
 def _stream(svc: Services, job_id: str, request: JobRequest, meta: ResponseMeta, starting_after: int,
@@ -102,30 +98,9 @@ def _stream(svc: Services, job_id: str, request: JobRequest, meta: ResponseMeta,
             with anyio.CancelScope(shield=True):
                 await follow.aclose()
             if not finished and cancel_on_disconnect and not svc.hub.stopping:
-                await _cancel_quietly(svc, job_id)
+                await cancel_quietly(svc, job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-async def _wait_for_end(svc: Services, http: Request, job_id: str, deadline_s: float):
-    """The job's terminal event; None when the client went away first."""
-    follow = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S,
-                           resync_s=svc.settings.sse_keepalive_s)
-    try:
-        async with asyncio.timeout(deadline_s):
-            async for batch in follow:
-                if batch is None:
-                    if await http.is_disconnected():
-                        return None
-                elif batch[-1].type in TERMINAL_EVENT_TYPES:
-                    return batch[-1]
-        return None
-    except TimeoutError:
-        await _cancel_quietly(svc, job_id)
-        raise ApiError(504, "timeout", "no result in time; the response was cancelled") from None
-    finally:
-        with anyio.CancelScope(shield=True):
-            await follow.aclose()
 
 
 @router.post("", responses=_SSE_200 | error_responses(401, 404, 409, 413, 422, 429, 503, 504),
@@ -150,10 +125,10 @@ async def create_response(body: ResponseCreate, http: Request, svc: Svc, tenant_
         record = JobRecord.new(job_id, request) if result.created else await get_job(svc, job_id, tenant_name)
         return JSONResponse(response_object(record, meta))
     deadline_s = (request.ttl_s or 0) + (request.timeout_s or 0) + DEADLINE_MARGIN_S
-    end = await _wait_for_end(svc, http, job_id, deadline_s)
+    end = await wait_for_end(svc, http, job_id, deadline_s)
     if end is None:
         if not keep:
-            await _cancel_quietly(svc, job_id)
+            await cancel_quietly(svc, job_id)
         return JSONResponse({}, status_code=499)
     if end.type in ("failed", "timed_out"):
         raise job_error(end)
