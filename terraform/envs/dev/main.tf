@@ -64,6 +64,7 @@ module "iam" {
   snapshot_bucket_arn      = module.snapshots.bucket_arn
   snapshot_prefix          = module.snapshots.snapshot_prefix
   snapshot_kms_key_arn     = module.snapshots.kms_key_arn
+  model_object_arns        = var.model_object_arns
   celery_queue_arn         = module.celery_queue.queue_arn
   celery_queue_kms_key_arn = module.celery_queue.kms_key_arn
   tags                     = local.tags

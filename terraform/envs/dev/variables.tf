@@ -29,6 +29,12 @@ variable "snapshot_bucket_name" {
   type        = string
 }
 
+variable "model_object_arns" {
+  description = "Model weights in S3 the workers may read (FERRY_MODEL=s3://...), e.g. [\"arn:aws:s3:::my-models/llama-3.1-8b/*\"]."
+  type        = list(string)
+  default     = []
+}
+
 variable "public_access_cidrs" {
   description = "Your public IP/CIDR for kubectl (empty: private API endpoint only)."
   type        = list(string)

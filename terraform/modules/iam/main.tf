@@ -1,5 +1,5 @@
 # IRSA roles for the Ferry pods. The worker may read, write and delete objects under its
-# snapshot prefix and nothing else in S3; the API (and the webhook worker, same service
+# snapshot prefix, read the model weights named in model_object_arns, and nothing else in S3; the API (and the webhook worker, same service
 # account) gets a role that denies S3 outright, so no policy attached later by mistake can
 # open the bucket to it, and that may use the one Celery queue on SQS (the webhook relay
 # sends to it, the webhook worker receives from it).
@@ -8,6 +8,10 @@ data "aws_region" "current" {}
 
 locals {
   bucket_name = element(split(":::", var.snapshot_bucket_arn), 1)
+  # Model weights the workers may read (FERRY_MODEL=s3://...): bucket ARN -> key prefixes under it.
+  model_prefixes = { for arn in var.model_object_arns :
+    split("/", arn)[0] => join("/", slice(split("/", arn), 1, length(split("/", arn))))...
+  }
 }
 
 data "aws_iam_policy_document" "assume" {
@@ -55,6 +59,26 @@ data "aws_iam_policy_document" "worker" {
       test     = "StringLike"
       variable = "s3:prefix"
       values   = ["${var.snapshot_prefix}/*"]
+    }
+  }
+  dynamic "statement" {
+    for_each = length(var.model_object_arns) > 0 ? [var.model_object_arns] : []
+    content {
+      sid       = "ReadModelWeights"
+      actions   = ["s3:GetObject"]
+      resources = statement.value
+    }
+  }
+  dynamic "statement" {
+    for_each = local.model_prefixes
+    content {
+      actions   = ["s3:ListBucket"]
+      resources = [statement.key]
+      condition {
+        test     = "StringLike"
+        variable = "s3:prefix"
+        values   = statement.value
+      }
     }
   }
   statement {

@@ -53,6 +53,16 @@ variable "snapshot_prefix" {
   }
 }
 
+variable "model_object_arns" {
+  description = "Model weights the workers may read for FERRY_MODEL=s3://BUCKET/PREFIX/ (docs/models.md): object ARNs ending in a prefix wildcard, e.g. arn:aws:s3:::my-models/llama-3.1-8b/*. Empty: no model bucket."
+  type        = list(string)
+  default     = []
+  validation {
+    condition     = alltrue([for arn in var.model_object_arns : can(regex("^arn:aws[a-z-]*:s3:::[a-z0-9.-]+/[^*]+\\*$", arn))])
+    error_message = "model_object_arns entries must look like arn:aws:s3:::BUCKET/PREFIX/*."
+  }
+}
+
 variable "snapshot_kms_key_arn" {
   description = "KMS key of the snapshot bucket."
   type        = string
