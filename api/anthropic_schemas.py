@@ -156,6 +156,29 @@ class MessagesRequest(_RefusedFields):
         return check_body_json(data)
 
 
+class CountTokensRequest(_RefusedFields):
+    """`POST /v1/messages/count_tokens`: the prompt fields of a message; nothing is generated."""
+
+    model: ModelName | None = Field(default=None, description="the served model (optional while one is served)")
+    messages: list[InputMessage] = Field(min_length=1)
+    system: _Texts | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data: Any) -> Any:
+        return check_body_json(data)
+
+    def as_message(self) -> MessagesRequest:
+        """The message request with the same prompt (its max_tokens matters to nothing here)."""
+        return MessagesRequest(**dict(self), max_tokens=1)
+
+
+class TokenCount(BaseModel):
+    input_tokens: int  # every token of the prompt, as the model reads it
+
+
 # --- the message ---------------------------------------------------------------------------------
 
 

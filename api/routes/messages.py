@@ -19,10 +19,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.anthropic_jobs import message_job
 from ferry.api.anthropic_responses import PING, MessageBuilder, stream_error
-from ferry.api.anthropic_schemas import MessageResponse, MessagesRequest, anthropic_error_responses
+from ferry.api.anthropic_schemas import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+    anthropic_error_responses,
+)
 from ferry.api.auth import tenant
 from ferry.api.errors import ApiError
-from ferry.api.job_wait import cancel_quietly
+from ferry.api.job_wait import cancel_quietly, run_without_generating
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_responses import job_error
 from ferry.api.ratelimit import admit_jobs
@@ -40,6 +46,19 @@ _TICK_S = 0.5  # idle ticks of a follow: disconnect checks and keep-alive timing
 _ENDED = object()  # what anext() gives for a follow that has ended
 _OK = {200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
              "description": "the message, or with `stream: true` Anthropic's named SSE events"}}
+
+
+@router.post(
+    "/messages/count_tokens",
+    response_model=TokenCount,
+    responses=anthropic_error_responses(401, 404, 413, 422, 429, 503, 504),
+    summary="Count a message's prompt tokens (Anthropic-compatible): the worker renders it as it would run it",
+)
+async def count_tokens(body: CountTokensRequest, http: Request, svc: Svc, tenant_name: Tenant) -> TokenCount:
+    model = await resolve_model(svc, body.model)
+    job = message_job(svc, tenant_name, model, body.as_message()).model_copy(update={"task": "tokenize"})
+    record = await run_without_generating(svc, http, tenant_name, job)
+    return TokenCount(input_tokens=len(record.token_ids or []))
 
 
 @router.post(

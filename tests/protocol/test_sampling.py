@@ -43,6 +43,7 @@ NOT_SAMPLING = {
         "parallel_tool_calls",
         "chat_template_kwargs",
         "reasoning_effort",
+        "task",
     },
     "completion": {
         "model",

@@ -186,6 +186,9 @@ class JobRequest(_JobSampling, ChatTemplateFields):
     # none | auto | required | {"type": "function", "function": {"name"}}; unset: auto with tools
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Strict()] = True  # False: at most one call
+    # generate; or, without generating, `tokenize` (the result's token_ids: the prompt as the model
+    # reads it, chat template applied) or `detokenize` (the result's text: the prompt's token ids decoded)
+    task: Literal["generate", "tokenize", "detokenize"] = "generate"
 
     @field_validator("tool_choice")
     @classmethod
@@ -209,6 +212,8 @@ class JobRequest(_JobSampling, ChatTemplateFields):
             raise ValueError(problem)
         if self.tools is not None and self.messages is None:
             raise ValueError("tools need 'messages' (a chat)")
+        if self.task == "detokenize" and not isinstance(self.prompt, list):
+            raise ValueError("detokenize needs the prompt as token ids")
         if self.forced_tool_schema() is not None and (self.structured_outputs is not None or self.min_tokens):
             raise ValueError("tool_choice required or a named function is a grammar of its own: it cannot be "
                              "combined with structured_outputs or min_tokens")

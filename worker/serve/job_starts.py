@@ -24,6 +24,7 @@ from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
     CancelledEvent,
+    CompletedEvent,
     Envelope,
     ErrorCode,
     FailedEvent,
@@ -32,7 +33,9 @@ from ferry.worker.protocol import (
     Keys,
     StartedEvent,
     TimedOutEvent,
+    Timings,
     TokenEvent,
+    Usage,
     event_from_fields,
     event_json_tail,
     lua,
@@ -236,6 +239,8 @@ class JobStarter:
         c = job.candidate
         try:
             prompt_ids = self.renderer.render(job.request)
+            if job.request.task != "generate":
+                return self._answer_without_engine(job, prompt_ids)
         except InvalidPromptError as exc:
             log.warning("job failed", extra={"job_id": c.job_id, "code": ErrorCode.INVALID_PROMPT, "error": str(exc)})
             event = FailedEvent(seq=job.streamed.next_seq, code=ErrorCode.INVALID_PROMPT, message=str(exc))
@@ -249,6 +254,15 @@ class JobStarter:
                                              job.request.created_at, job.started_at, job.picked_at, start.ready_at,
                                              len(job.streamed.token_ids)))
         return start
+
+    def _answer_without_engine(self, job: _Decided, prompt_ids: list[int]) -> Finish:
+        """A tokenize or detokenize job, answered here: the prompt's token ids, or their text."""
+        text = self.renderer.decode(prompt_ids) if job.request.task == "detokenize" else ""
+        now = time.time()
+        timings = Timings(queue_s=job.started_at - job.request.created_at, total_s=now - job.request.created_at)
+        event = CompletedEvent(seq=job.streamed.next_seq, finish_reason="stop", usage=Usage(), timings=timings)
+        output = {"text": text, "token_ids": prompt_ids, "finish_reason": "stop", "usage": Usage(), "timings": timings}
+        return finish(job.candidate.job_id, job.candidate.delivery, event, self.worker_id, output)
 
     def _dead_letter(self, seq: int | None, d: Delivery, code: str, message: str, attempts: int,
                      job_id: str | None = None) -> Finish | Discard:

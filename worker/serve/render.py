@@ -78,6 +78,15 @@ class PromptRenderer:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens kept), as /detokenize answers it."""
+        if self.tokenizer is None:
+            raise InvalidPromptError("this model has no tokenizer: token ids cannot be decoded")
+        if any(t >= len(self.tokenizer) for t in token_ids):
+            raise InvalidPromptError(f"a token id is beyond the vocabulary ({len(self.tokenizer)})")
+        return self.tokenizer.decode(token_ids)
+
+
 def template_variables(template: object) -> frozenset[str] | None:
     """The names a chat template's source reads from its context (messages, tools, enable_thinking,
     ...); an empty set without a template, None for a source that does not parse (or several
