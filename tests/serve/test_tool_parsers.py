@@ -16,13 +16,14 @@ HERMES_OUTPUT = (
 LLAMA_OUTPUT = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
 
 
-def run(parser, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
-    """Feed `text` cut at `cuts`; (content released, tool-call deltas) in stream order."""
+def run(parser, text: str, cuts: list[int], finish: bool = True) -> tuple[str, list[dict]]:
+    """Feed `text` cut at `cuts` (then end the output, unless `finish` is False); (content released,
+    tool-call deltas) in stream order."""
     pieces, last = [], 0
     for cut in [*cuts, len(text)]:
         pieces.append(text[last:cut])
         last = cut
-    deltas: list[ChatDelta] = [parser.feed(p) for p in pieces] + [parser.finish()]
+    deltas: list[ChatDelta] = [parser.feed(p) for p in pieces] + ([parser.finish()] if finish else [])
     content = "".join(d.content for d in deltas)
     return content, [t.model_dump(exclude_none=True) for d in deltas for t in d.tool_calls]
 
@@ -108,3 +109,118 @@ def test_required_and_named_parsers_read_forced_output():
     _, deltas = run(named, '{"city": "Oslo"}', [3])
     assert merged_calls(deltas) == [
         {"id": tool_call_id("j", 0), "name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+
+
+# --- arguments streamed as fragments of the model's JSON text -----------------------------------
+
+# Arguments with what a scan must not be fooled by: braces and quotes inside strings, escapes, nesting,
+# blanks and non-ASCII text (kept as written: the arguments are the model's own text of the value).
+TRICKY = '{"q": "a \\"}\\" {[ \\\\", "n": [1, {"m": null}],  "city": "Zürich"}'
+PARSED_OUTPUTS = {
+    "hermes": (lambda: HermesParser("j"), f'Sure. <tool_call>\n{{"name": "search", "arguments": {TRICKY}}}\n'
+                                          '</tool_call> <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    "hermes-parameters": (lambda: HermesParser("j"), f'<tool_call>{{"name": "search", "parameters": {TRICKY}}}'
+                                                     '</tool_call>'),
+    "llama3_json": (lambda: Llama3JsonParser("j"), f'<|python_tag|>{{"name": "search", "parameters": {TRICKY}}}; '
+                                                   '{"name": "get_time", "parameters": {}}'),
+    "required": (lambda: RequiredCalls("j"), f'[{{"name": "search", "arguments": {TRICKY}}}, '
+                                             '{"name": "get_time", "arguments": {}}]'),
+    "named": (lambda: NamedCall("j", "search"), TRICKY),
+}
+
+
+def released(make, text: str, cuts: list[int], finish: bool = True) -> tuple[str, list[dict]]:
+    """What a new parser releases for `text` cut at `cuts`: content, and the calls a client rebuilds;
+    each call's joined fragments are exactly its `arguments` in the parser's calls."""
+    parser = make()
+    content, deltas = run(parser, text, cuts, finish)
+    calls = merged_calls(deltas)
+    assert [c["arguments"] for c in calls] == [c.function.arguments for c in parser.calls]
+    return content, calls
+
+
+@pytest.mark.parametrize("kind", PARSED_OUTPUTS)
+def test_arguments_are_the_models_text_of_the_value_joined_from_fragments(kind):
+    make, text = PARSED_OUTPUTS[kind]
+    _, calls = released(make, text, list(range(1, len(text))))
+    assert calls[0]["name"] == "search" and calls[0]["arguments"] == TRICKY
+    assert [c["arguments"] for c in calls[1:]] == ["{}"] * (len(calls) - 1)
+
+
+@pytest.mark.parametrize("kind", PARSED_OUTPUTS)
+def test_every_split_of_the_text_releases_the_same(kind):
+    make, text = PARSED_OUTPUTS[kind]
+    whole = released(make, text, [])
+    for cut in range(1, len(text)):
+        assert released(make, text, [cut]) == whole, cut
+        # The state after a prefix does not depend on its pieces either (a resumed job's parser).
+        assert released(make, text[:cut], [], finish=False) == released(make, text[:cut], list(range(1, cut)),
+                                                                       finish=False), cut
+
+
+@pytest.mark.parametrize("kind", PARSED_OUTPUTS)
+def test_fragments_go_out_while_the_model_writes_the_arguments(kind):
+    make, text = PARSED_OUTPUTS[kind]
+    start = text.index(TRICKY)
+    for written in (1, 10, len(TRICKY) - 1):  # the `{`, a few characters, all but the closing `}`
+        _, calls = released(make, text[:start + written], [start, start + written // 2], finish=False)
+        assert calls[0]["name"] == "search" and calls[0]["id"] == tool_call_id("j", 0)
+        assert calls[0]["arguments"] == TRICKY[:written]
+
+
+def test_a_streamed_call_starts_once_its_name_and_the_arguments_brace_are_written():
+    text = '<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>'
+    assert released(lambda: HermesParser("j"), text[:text.index('{"q"')], [], finish=False) == ("", [])
+    _, calls = released(lambda: HermesParser("j"), text[:text.index('{"q"') + 1], [], finish=False)
+    assert calls == [{"id": tool_call_id("j", 0), "name": "search", "arguments": "{"}]
+
+
+def test_a_possible_closing_tag_inside_the_arguments_is_held_back():
+    text = '<tool_call>{"name": "f", "arguments": {"html": "</b>"}}</tool_call>'
+    _, calls = released(lambda: HermesParser("j"), text[:text.index("</b>") + 2], [], finish=False)
+    assert calls[0]["arguments"] == '{"html": "'  # `</` may begin `</tool_call>`
+    assert released(lambda: HermesParser("j"), text, [])[1][0]["arguments"] == '{"html": "</b>"}'
+
+
+@pytest.mark.parametrize("body", ['{"arguments": {"q": 1}, "name": "f"}', '{"name": "f", "arguments": "{\\"q\\": 1}"}'],
+                         ids=["arguments-first", "arguments-as-a-string"])
+def test_a_call_not_written_name_then_arguments_object_goes_out_whole_at_its_end(body):
+    text = f"<tool_call>{body}</tool_call>"
+    assert released(lambda: HermesParser("j"), text[:-1], [], finish=False) == ("", [])
+    assert released(lambda: HermesParser("j"), text, [5, 30]) == (
+        "", [{"id": tool_call_id("j", 0), "name": "f", "arguments": '{"q": 1}'}])
+
+
+def test_a_streamed_call_whose_text_breaks_stands_as_streamed_and_its_rest_is_dropped():
+    # `</tool_call>` before the arguments' JSON closed: the client has the call's start already.
+    content, calls = released(lambda: HermesParser("j"), 'A <tool_call>{"name": "f", "arguments": {"q": 1'
+                                                         '</tool_call> B', [20])
+    assert (content, calls) == ("A B", [{"id": tool_call_id("j", 0), "name": "f", "arguments": '{"q": 1'}])
+    content, calls = released(lambda: HermesParser("j"), '<tool_call>{"name": "f", "arguments": {}} x</tool_call>',
+                              [])
+    assert (content, [c["arguments"] for c in calls]) == ("", ["{}"])
+
+
+def test_a_call_with_nothing_released_that_is_not_a_call_stays_content():
+    for text in ['<tool_call>{"arguments": {}, "name": 3}</tool_call>', '<tool_call>{"name": "f"} x</tool_call>']:
+        assert released(lambda: HermesParser("j"), text, [9]) == (text, [])
+    # The output ended inside it: content as written (no closing tag added).
+    assert released(lambda: HermesParser("j"), 'a <tool_call>{"nam', [4]) == ('a <tool_call>{"nam', [])
+
+
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json", "required"])
+def test_a_call_cut_by_max_tokens_mid_arguments_keeps_its_fragments(kind):
+    make, text = PARSED_OUTPUTS[kind]
+    cut = text.index(TRICKY) + 12
+    content, calls = released(make, text[:cut], [cut - 3])
+    assert content == ("Sure." if kind == "hermes" else "")
+    assert calls == [{"id": tool_call_id("j", 0), "name": "search", "arguments": TRICKY[:12]}]
+
+
+@pytest.mark.parametrize("make", [lambda: HermesParser("j", parallel=False), lambda: RequiredCalls("j", False),
+                                  lambda: Llama3JsonParser("j", parallel=False)], ids=["hermes", "required", "llama"])
+def test_without_parallel_calls_a_second_streamed_call_is_dropped(make):
+    text = {HermesParser: PARSED_OUTPUTS["hermes"][1], RequiredCalls: PARSED_OUTPUTS["required"][1],
+            Llama3JsonParser: PARSED_OUTPUTS["llama3_json"][1]}[type(make())]
+    _, calls = released(make, text, list(range(1, len(text))))
+    assert [(c["name"], c["arguments"]) for c in calls] == [("search", TRICKY)]

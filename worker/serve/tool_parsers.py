@@ -11,15 +11,25 @@ Two more read the output a grammar forced (`tool_choice` required or a named fun
 `NamedCall` (the arguments object of one known function).
 
 A parser is fed text pieces and returns what may be released (`ChatDelta`): content it can no
-longer mistake for the start of a call, and each call once its JSON is complete (its id and name,
-then its arguments). What it has released after a text depends on that text only, never on how it
-was cut into pieces: a resumed job's parser is fed the text already streamed and goes on from there.
+longer mistake for the start of a call, and tool-call pieces. What it has released after a text
+depends on that text only, never on how it was cut into pieces: a resumed job's parser is fed the
+text already streamed and goes on from there.
+
+Arguments stream as OpenAI's do: a call's first delta (its index, id and name) goes out once its
+object has shown the name and the `{` that opens its arguments (`worker.serve.tool_call_scan`), and
+then the arguments' JSON text in fragments, as the model writes it. A call's `arguments` (in
+`calls`, the job's result) is exactly the model's text of that value, the concatenation of its
+fragments. A call written otherwise (the arguments before the name, or as a JSON string) goes out
+whole once its object is complete. Once its first delta is out a call stands, as with vLLM's
+parsers: if its text then turns out not to be a valid call (a `</tool_call>` before its JSON
+closed, a broken object), or the output ends inside it (max_tokens), its arguments are the text
+streamed so far and the rest of its object is dropped. A call with nothing released yet that is not
+a valid call is content, as it was written.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from ferry.worker.protocol.tools import (
     ChatDelta,
@@ -30,18 +40,21 @@ from ferry.worker.protocol.tools import (
     ToolCallDelta,
     tool_call_id,
 )
-
-_DECODER = json.JSONDecoder()
+from ferry.worker.serve.tool_call_scan import BLANKS, CallScan
 
 
 class ToolCallParser:
-    """Base: holds the calls found so far and turns each new one into its stream deltas."""
+    """Base: holds the calls found so far, reads the call object being written (`_read_call`), and
+    turns calls into their stream deltas."""
 
     def __init__(self, job_id: str, parallel: bool = True) -> None:
         self.job_id = job_id
         self.parallel = parallel  # False: calls after the first are dropped
         self.calls: list[ToolCall] = []
         self.content = ""  # all content released so far
+        self._scan: CallScan | None = None  # the call object being read
+        self._index: int | None = None  # its place in `calls`, once its first delta is out
+        self._sent: int | None = None  # in its scan's text: where its arguments not yet released start
 
     def feed(self, text: str) -> ChatDelta:
         raise NotImplementedError
@@ -50,30 +63,54 @@ class ToolCallParser:
         """The output ended: release what was held back."""
         raise NotImplementedError
 
-    def _call(self, name: str, arguments: str) -> list[ToolCallDelta]:
+    def _open_call(self, name: str) -> int | None:
+        """A new call's index, or None when it is dropped (a second call without parallel calls)."""
         if self.calls and not self.parallel:
-            return []
-        index = len(self.calls)
-        call = ToolCall(id=tool_call_id(self.job_id, index), function=FunctionCall(name=name, arguments=arguments))
-        self.calls.append(call)
-        return [
-            ToolCallDelta(index=index, id=call.id, type="function", function=FunctionCallDelta(name=name)),
-            ToolCallDelta(index=index, function=FunctionCallDelta(arguments=arguments)),
-        ]
+            return None
+        self.calls.append(ToolCall(id=tool_call_id(self.job_id, len(self.calls)),
+                                   function=FunctionCall(name=name, arguments="")))
+        return len(self.calls) - 1
 
-    def _call_from_json(self, value: Any) -> list[ToolCallDelta] | None:
-        """Deltas of a decoded `{"name", "arguments" | "parameters"}` object; None if it is not one."""
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    def _first_delta(self, index: int) -> ToolCallDelta:
+        call = self.calls[index]
+        return ToolCallDelta(index=index, id=call.id, type="function",
+                             function=FunctionCallDelta(name=call.function.name))
+
+    def _arguments(self, index: int, text: str) -> ToolCallDelta:
+        self.calls[index].function.arguments += text
+        return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=text))
+
+    def _read_call(self, text: str) -> tuple[list[ToolCallDelta], int]:
+        """Read `text` into the open call object (`_scan`): the deltas it releases (the call's first
+        once its arguments open after its name, then their text), and how much of `text` it took
+        (all, or up to the object's end)."""
+        scan = self._scan
+        taken = scan.feed(text)
+        deltas: list[ToolCallDelta] = []
+        if self._sent is None and scan.arguments_start is not None:
+            self._sent = scan.arguments_start
+            self._index = self._open_call(scan.name)
+            if self._index is not None:
+                deltas.append(self._first_delta(self._index))
+        if self._index is not None:
+            end = scan.arguments_end if scan.arguments_end is not None else len(scan.text)
+            if end > self._sent:
+                deltas.append(self._arguments(self._index, scan.text[self._sent:end]))
+                self._sent = end
+        return deltas, taken
+
+    def _end_call(self, text: str) -> list[ToolCallDelta] | None:
+        """The open call object's end (or the output's), its JSON `text`: [] when the call streamed
+        (it stands) or is dropped, all its deltas when it is read whole, None when it is no call."""
+        scan, streamed = self._scan, self._index is not None
+        self._scan, self._index, self._sent = None, None, None
+        if streamed:
+            return []
+        call = scan.call(text)
+        if call is None:
             return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        if not isinstance(arguments, dict):
-            return None
-        return self._call(value["name"], json.dumps(arguments, ensure_ascii=False))
+        index = self._open_call(call[0])
+        return [] if index is None else [self._first_delta(index), self._arguments(index, call[1])]
 
     def _content(self, text: str) -> ChatDelta:
         self.content += text
@@ -109,21 +146,24 @@ class HermesParser(ToolCallParser):
 
     def __init__(self, job_id: str, parallel: bool = True) -> None:
         super().__init__(job_id, parallel)
-        self._pending = ""  # text not yet released: a possible tag start, blanks, or an open call's body
-        self._in_call = False
+        self._pending = ""  # text not yet read: a possible tag start, blanks, or an open call's `</tool_call>`
         self._gap = ""  # blanks before an open call: dropped if it is a call, content if it is not
+        self._body = ""  # the open call's text read so far (`_scan` is not None inside a call)
 
     def feed(self, text: str) -> ChatDelta:
         self._pending += text
         out = ChatDelta()
         while True:
-            if self._in_call:
+            if self._scan is not None:
                 end = self._pending.find(self.CLOSE)
-                if end < 0:
+                if end < 0:  # read all but a possible start of the closing tag
+                    cut = len(self._pending) - partial_tag(self._pending, self.CLOSE)
+                    self._read_body(self._pending[:cut], out)
+                    self._pending = self._pending[cut:]
                     return out
-                body, self._pending = self._pending[:end], self._pending[end + len(self.CLOSE):]
-                self._in_call = False
-                self._end_call(body, out)
+                self._read_body(self._pending[:end], out)
+                self._pending = self._pending[end + len(self.CLOSE):]
+                self._close_call(out, self.CLOSE)
                 continue
             start = self._pending.find(self.OPEN)
             if start >= 0:
@@ -131,7 +171,7 @@ class HermesParser(ToolCallParser):
                 self._release(out, before.rstrip())  # blanks before a call are not content
                 self._gap = before[len(before.rstrip()):]
                 self._pending = self._pending[start + len(self.OPEN):]
-                self._in_call = True
+                self._scan = CallScan()
                 continue
             # Release up to the last non-blank character that cannot begin a tag.
             held = partial_tag(self._pending, self.OPEN)
@@ -143,23 +183,25 @@ class HermesParser(ToolCallParser):
 
     def finish(self) -> ChatDelta:
         out = ChatDelta()
-        if self._in_call:  # the output ended inside a call (its closing tag never came)
-            self._end_call(self._pending, out)
+        if self._scan is not None:  # the output ended inside a call (its closing tag never came)
+            self._read_body(self._pending, out)
+            self._close_call(out, "")
         elif not self.calls:
             self._release(out, self._pending.rstrip())
-        self._pending, self._in_call = "", False
+        self._pending = ""
         return out
 
-    def _end_call(self, body: str, out: ChatDelta) -> None:
-        try:
-            deltas = self._call_from_json(json.loads(body))
-        except ValueError:
-            deltas = None
-        if deltas is None:  # not a call after all: it was content
-            self._release(out, self._gap + self.OPEN + body + self.CLOSE)
+    def _read_body(self, text: str, out: ChatDelta) -> None:
+        self._body += text
+        out.tool_calls += self._read_call(text)[0]
+
+    def _close_call(self, out: ChatDelta, close: str) -> None:
+        deltas = self._end_call(self._body)
+        if deltas is None:  # not a call after all: it was content, as written
+            self._release(out, self._gap + self.OPEN + self._body + close)
         else:
             out.tool_calls += deltas
-        self._gap = ""
+        self._gap, self._body = "", ""
 
     def _release(self, out: ChatDelta, text: str) -> None:
         if text:
@@ -184,14 +226,49 @@ class HermesParser(ToolCallParser):
         )
 
 
-class Llama3JsonParser(ToolCallParser):
-    PYTHON_TAG = "<|python_tag|>"
+class _CallSequence(ToolCallParser):
+    """Call objects one after another from `_pos` on, with blanks and `SEPARATOR` between them:
+    each streams as it is read; anything else ends the reading (what follows is not read)."""
+
+    SEPARATOR = ""
 
     def __init__(self, job_id: str, parallel: bool = True) -> None:
         super().__init__(job_id, parallel)
         self._text = ""  # everything fed
+        self._pos: int | None = None  # where reading goes on in _text; None until the calls begin
+        self._stopped = False  # a text that is not a call came: nothing after it is read
+
+    def _read_calls(self) -> list[ToolCallDelta]:
+        deltas: list[ToolCallDelta] = []
+        while not self._stopped:
+            if self._scan is None:
+                rest = self._text[self._pos:]
+                self._pos += len(rest) - len(rest.lstrip(BLANKS + self.SEPARATOR))
+                if self._pos == len(self._text):
+                    return deltas
+                if self._text[self._pos] != "{":
+                    self._stopped = True
+                    return deltas
+                self._scan = CallScan()
+            scan = self._scan
+            new, taken = self._read_call(self._text[self._pos:])
+            deltas += new
+            self._pos += taken
+            if not (scan.ended or scan.broken):
+                return deltas  # the object goes on in the next piece
+            call = self._end_call(scan.text)
+            deltas += call or []
+            self._stopped = call is None or scan.broken
+        return deltas
+
+
+class Llama3JsonParser(_CallSequence):
+    PYTHON_TAG = "<|python_tag|>"
+    SEPARATOR = ";"
+
+    def __init__(self, job_id: str, parallel: bool = True) -> None:
+        super().__init__(job_id, parallel)
         self._mode: str | None = None  # None until the first non-blank text: "calls" or "content"
-        self._pos = 0  # in calls mode: where the next call starts in _text
 
     def feed(self, text: str) -> ChatDelta:
         self._text += text
@@ -208,27 +285,12 @@ class Llama3JsonParser(ToolCallParser):
                 return self._content(self._text)
         if self._mode == "content":
             return self._content(text)
-        return ChatDelta(tool_calls=self._complete_calls())
-
-    def _complete_calls(self) -> list[ToolCallDelta]:
-        deltas: list[ToolCallDelta] = []
-        while True:
-            rest = self._text[self._pos:]
-            skipped = len(rest) - len(rest.lstrip(" \t\r\n;"))
-            try:
-                value, end = _DECODER.raw_decode(rest, skipped)
-            except ValueError:
-                return deltas  # incomplete (or not JSON: decided at the end)
-            call = self._call_from_json(value)
-            if call is None:
-                return deltas
-            deltas += call
-            self._pos += end
+        return ChatDelta(tool_calls=self._read_calls())
 
     def finish(self) -> ChatDelta:
         if self._mode == "calls":
-            rest = self._text[self._pos:].strip(" \t\r\n;")
-            if rest and not self.calls:  # never a call: the whole output was content
+            head = self._text.lstrip().removeprefix(self.PYTHON_TAG)
+            if not self.calls and head.strip(BLANKS + self.SEPARATOR):  # never a call: all content
                 self._mode = "content"
                 return self._content(self._text.strip())
             return ChatDelta()
@@ -253,13 +315,10 @@ class Llama3JsonParser(ToolCallParser):
         )
 
 
-class RequiredCalls(ToolCallParser):
-    """A grammar-forced JSON array of `{"name", "arguments"}` calls; each released once complete."""
+class RequiredCalls(_CallSequence):
+    """A grammar-forced JSON array of `{"name", "arguments"}` calls, each streamed as it is written."""
 
-    def __init__(self, job_id: str, parallel: bool = True) -> None:
-        super().__init__(job_id, parallel)
-        self._text = ""
-        self._pos: int | None = None  # after '[' : where the next element starts
+    SEPARATOR = ","
 
     def feed(self, text: str) -> ChatDelta:
         self._text += text
@@ -268,40 +327,26 @@ class RequiredCalls(ToolCallParser):
             if start < 0:
                 return ChatDelta()
             self._pos = start + 1
-        deltas: list[ToolCallDelta] = []
-        while True:
-            rest = self._text[self._pos:]
-            skipped = len(rest) - len(rest.lstrip(" \t\r\n,"))
-            try:
-                value, end = _DECODER.raw_decode(rest, skipped)
-            except ValueError:
-                return ChatDelta(tool_calls=deltas)
-            deltas += self._call_from_json(value) or []
-            self._pos += end
+        return ChatDelta(tool_calls=self._read_calls())
 
     def finish(self) -> ChatDelta:
         return ChatDelta()
 
 
 class NamedCall(ToolCallParser):
-    """A grammar-forced arguments object of the one named function: streamed as it comes."""
+    """A grammar-forced arguments object of the one named function: its first delta goes out at
+    once, then every piece of text is its arguments."""
 
     def __init__(self, job_id: str, name: str) -> None:
         super().__init__(job_id, parallel=False)
         self._name = name
-        self._arguments = ""
 
     def feed(self, text: str) -> ChatDelta:
         out = ChatDelta()
         if not self.calls:
-            call = ToolCall(id=tool_call_id(self.job_id, 0), function=FunctionCall(name=self._name, arguments=""))
-            self.calls.append(call)
-            out.tool_calls.append(ToolCallDelta(index=0, id=call.id, type="function",
-                                                function=FunctionCallDelta(name=self._name)))
+            out.tool_calls.append(self._first_delta(self._open_call(self._name)))
         if text:
-            self._arguments += text
-            self.calls[0].function.arguments = self._arguments
-            out.tool_calls.append(ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text)))
+            out.tool_calls.append(self._arguments(0, text))
         return out
 
     def finish(self) -> ChatDelta:
