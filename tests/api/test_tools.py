@@ -78,6 +78,40 @@ def test_a_named_function_is_called_with_valid_arguments(client):
     assert r.choices[0].finish_reason == "stop"  # OpenAI's: a named call was not the model's choice
 
 
+def streamed_calls(stream) -> tuple[list[dict], str | None]:
+    """The calls of a streamed chat as a client rebuilds them (each with its arguments' fragments),
+    and its finish reason; the call's text never comes as content."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for d in delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "fragments": []})
+            call["id"] = d.id or call["id"]
+            call["name"] += (d.function.name or "") if d.function else ""
+            if d.function and d.function.arguments:
+                call["fragments"].append(d.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_call_arguments_stream_in_fragments_that_join_to_the_answers(client, choice):
+    # Only get_weather: its arguments hold a city, so they are many tokens long. One call: greedy, a
+    # random-weight model would add calls to the array until max_tokens cuts one.
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS[:1], "tool_choice": choice, "max_tokens": 150,
+              "temperature": 0.0, "parallel_tool_calls": False}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls, finish = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == whole.finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert [(c["name"], "".join(c["fragments"])) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    check_calls(whole.message.tool_calls)
+    assert all(len(c["fragments"]) > 1 for c in calls)  # as the model wrote them, not one piece at the end
+
+
 def test_auto_parses_hermes_calls_whole_and_streamed(client):
     forced = {"structured_outputs": {"regex": re.escape(HERMES_CALL)}}
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
@@ -87,22 +121,13 @@ def test_auto_parses_hermes_calls_whole_and_streamed(client):
     [call] = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
 
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
-                                            temperature=0.0, extra_body=forced, stream=True)
-    pieces: dict[int, dict] = {}
-    finish = None
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        assert not delta.content  # the call's text never leaks out as content
-        for d in delta.tool_calls or []:
-            merged = pieces.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-            merged["id"] = d.id or merged["id"]
-            merged["name"] += (d.function.name or "") if d.function else ""
-            merged["arguments"] += (d.function.arguments or "") if d.function else ""
-        finish = chunk.choices[0].finish_reason or finish
+    calls, finish = streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0.0, extra_body=forced, stream=True))
     assert finish == "tool_calls"
-    assert [(p["name"], json.loads(p["arguments"])) for p in pieces.values()] == [("get_weather", {"city": "Paris"})]
-    assert pieces[0]["id"].startswith("call_")  # ids are per job: this stream's differs from the call above
+    # The arguments are the model's text, streamed as written: the same as the whole answer's.
+    assert [(c["name"], "".join(c["fragments"])) for c in calls] == [("get_weather", call.function.arguments)]
+    assert call.function.arguments == '{"city": "Paris"}' and len(calls[0]["fragments"]) > 1
+    assert calls[0]["id"].startswith("call_")  # ids are per job: this stream's differs from the call above
 
 
 def test_tool_choice_none_answers_in_text(client):
