@@ -106,7 +106,9 @@ def response_object(record: JobRecord, meta: ResponseMeta) -> dict:
         status = "incomplete" if record.finish_reason == "length" else "completed"
         if text:
             response["output"].append(message_item(f"msg_{record.id}", text, status))
-        response["output"] += [call_item(record.id, i, c) for i, c in enumerate(record.tool_calls or [])]
+        calls = record.tool_calls or []  # the last one is incomplete where max_output_tokens cut it
+        response["output"] += [call_item(record.id, i, c, status if i == len(calls) - 1 else "completed")
+                               for i, c in enumerate(calls)]
     error = (record.error_code, record.error_message or "") if record.error_code else None
     return _ended(response, record.state, record.finish_reason, record.usage, error, record.finished_at)
 
