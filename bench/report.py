@@ -255,9 +255,22 @@ def generic_rows(suite: str, data: dict) -> list[Row]:
 
 
 def cold_start_rows(data: dict) -> list[Row]:
-    """A worker start that finds the GGUF converted, against the first start that converts it."""
-    return [Row("cold_start", "worker start to ready (s), GGUF already converted", data.get("later_start_s_p50"),
-                data.get("first_start_s"), "first start (converts)", False)]
+    """Weights from S3 on an empty node against weights on local disk, and a snapshot's first
+    token against none (bench.cold_start); or, from --conversion, a start that finds the GGUF
+    converted against the first start that converts it."""
+    if "first_start_s" in data:
+        return [Row("cold_start", "worker start to ready (s), GGUF already converted", data.get("later_start_s_p50"),
+                    data.get("first_start_s"), "first start (converts)", False)]
+    by = {(s["source"], s["snapshot"]): s for s in data.get("starts", [])}
+    s3, local, s3_snap = by.get(("s3", False), {}), by.get(("local", False), {}), by.get(("s3", True), {})
+
+    def after_ready(start: dict) -> float | None:
+        return start["first_token_s"] - start["ready_s"] if start.get("first_token_s") else None
+
+    return [Row("cold_start", "start to ready (s), weights from S3, empty node cache", s3.get("ready_s"),
+                local.get("ready_s"), "weights on local disk", False),
+            Row("cold_start", "ready to first token (s), 961-token prompt, snapshot restored", after_ready(s3_snap),
+                after_ready(s3), "no snapshot", False)]
 
 
 READERS = {
