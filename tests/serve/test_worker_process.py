@@ -349,6 +349,26 @@ def _holder_mid_generation(stack, job_ids: list[str], candidates: list[WorkerPro
     return wait_for(find, 60, "a spare worker mid-generation", interval=0.02)
 
 
+def _frozen_mid_generation(stack, job_ids: list[str], candidates: list[WorkerProc]) -> WorkerProc:
+    """A candidate worker stopped (SIGSTOP) while it runs at least one of `job_ids` that has streamed a
+    few tokens: the job was still running once the worker could no longer end it."""
+    c, k = stack.client, stack.keys
+    by_id = {w.worker_id: w for w in candidates}
+
+    def find():
+        for j in job_ids:
+            rec = record(c, k, j)
+            if rec.worker_id in by_id and rec.state is JobState.running and len(events(c, k, j)) >= 4:
+                worker = by_id[rec.worker_id]
+                worker.proc.send_signal(signal.SIGSTOP)
+                if record(c, k, j).state is JobState.running:
+                    return worker
+                worker.proc.send_signal(signal.SIGCONT)  # it ended the job just before it stopped
+        return None
+
+    return wait_for(find, 60, "a spare worker mid-generation", interval=0.02)
+
+
 def _prompts(tag: str) -> list[str]:
     return [f"{tag} {i}: the quick brown fox" for i in range(8)]
 
@@ -366,10 +386,10 @@ def test_kill9_mid_generation_resumes_without_gap(stack):
     ids = [
         enqueue(c, k, prompt=p, max_tokens=120, **(schema if i in constrained else {})) for i, p in enumerate(prompts)
     ]
-    # The victim is a worker caught mid-generation on a constrained job.
-    victim, _ = _holder_mid_generation(stack, [ids[i] for i in sorted(constrained)], stack.spares)
-    # The jobs it is still running: a constrained job can finish early (its JSON is complete),
-    # and one the victim already finished is not resumed.
+    # The victim is a worker frozen (SIGSTOP) mid-generation on a constrained job, so that nothing it
+    # runs can end between the look at its jobs and the kill: a constrained job can finish early (its
+    # JSON complete), and one the victim finished is not resumed.
+    victim = _frozen_mid_generation(stack, [ids[i] for i in sorted(constrained)], stack.spares)
     held = [j for j in ids if (rec := record(c, k, j)).worker_id == victim.worker_id and rec.state is JobState.running]
     victim.kill9()
     stack.spares.remove(victim)
