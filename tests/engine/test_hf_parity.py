@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ferry.worker.engine import LLM, SamplingParams
+from ferry.worker.models.config import UnsupportedModelError
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 16, 17, 33, 50]  # below, at and past block boundaries
 NEW_TOKENS = 32
@@ -100,6 +101,38 @@ def test_sharded_checkpoint_and_llama3_rope(tiny_model_factory):
     prompts = _prompts(llm.engine.arch.vocab_size)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+
+
+# RoPE variants whose frequencies transformers' own init functions give (YaRN scales cos and sin too);
+# `original_max_position_embeddings` below the prompts' lengths, so the scaled bands are exercised.
+ROPE_VARIANTS = {
+    "linear": ("llama", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "yarn": ("qwen2", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 32}),
+    "yarn-mscale": ("llama", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16.0,
+                              "beta_slow": 2.0, "attention_factor": 1.3, "original_max_position_embeddings": 16}),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_variants_match_transformers(tiny_model_factory, variant):
+    arch, rope = ROPE_VARIANTS[variant]
+    model_dir = tiny_model_factory(arch, rope_parameters=rope)
+    llm = LLM(str(model_dir))
+    assert llm.engine.arch.rope.kind == rope["rope_type"]
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_rope_that_changes_with_the_sequence_length_is_refused_by_name(tiny_model_factory, rope_type):
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32}
+    if rope_type == "longrope":
+        rope |= {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # head_dim 16: 8 frequencies
+    model_dir = tiny_model_factory("llama", rope_parameters=rope)
+    with pytest.raises(UnsupportedModelError, match=rope_type):
+        LLM(str(model_dir))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

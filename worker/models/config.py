@@ -1,15 +1,16 @@
 """The architecture facts Ferry needs, read from a Hugging Face `config.json`.
 
 One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2 and Qwen3: they differ only in the flags
-below (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings).
+below (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings). RoPE variants come from
+transformers' own rope init functions.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -26,11 +27,11 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
-    kind: str  # "default" | "linear" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    kind: str  # "default", or the transformers rope type whose init function gave `inv_freq`
+    # [head_dim / 2] inverse frequencies from transformers' own ROPE_INIT_FUNCTIONS (linear, llama3,
+    # yarn, ...), so each variant's math is theirs; None: theta's plain ones
+    inv_freq: tuple[float, ...] | None = None
+    attention_scaling: float = 1.0  # cos and sin are multiplied by it (YaRN's mscale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,11 @@ class ModelArch:
         )
 
 
+# Variants whose frequencies depend on the length of the sequence being run (transformers switches
+# them per forward pass): a paged cache holds keys rotated at one length, so Ferry refuses them.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 def _rope_config(cfg) -> RopeConfig:
     # transformers 5 keeps everything in `rope_parameters`; older configs use rope_theta + rope_scaling.
     params = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -112,40 +118,25 @@ def _rope_config(cfg) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=theta, kind="default")
-    if kind == "linear":
-        return RopeConfig(theta=theta, kind="linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        return RopeConfig(
-            theta=theta,
-            kind="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    raise UnsupportedModelError(f"unsupported rope type {kind!r}; Ferry implements default, linear and llama3")
+    if kind in _LENGTH_DEPENDENT_ROPE or kind not in ROPE_INIT_FUNCTIONS:
+        supported = ", ".join(k for k in ("default", *ROPE_INIT_FUNCTIONS) if k not in _LENGTH_DEPENDENT_ROPE)
+        raise UnsupportedModelError(f"unsupported rope type {kind!r}; Ferry implements {supported}")
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not implemented")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
+    return RopeConfig(theta=theta, kind=kind, inv_freq=tuple(inv_freq.float().tolist()),
+                      attention_scaling=float(attention_scaling))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, as transformers' rope init functions compute them."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.kind == "linear":
-        return inv_freq / rope.factor
-    if rope.kind != "llama3":
-        return inv_freq
-    # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_len = rope.original_max_position_embeddings
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(medium, blended, scaled)
+    """[head_dim / 2] float32 inverse frequencies: a variant's from transformers, else theta's."""
+    if rope.inv_freq is not None:
+        return torch.tensor(rope.inv_freq, dtype=torch.float32)
+    return 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
 def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of position * inv_freq in the first half, sin in the second."""
+    """[max_positions, head_dim] float32: cos of position * inv_freq in the first half, sin in the second,
+    both times the variant's attention scaling (as transformers scales them)."""
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(rope, head_dim))
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_scaling
