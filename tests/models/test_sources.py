@@ -162,3 +162,13 @@ def test_s3_errors_name_the_reference_and_the_cause(llama_dir, s3_bucket, tmp_pa
         with pytest.raises(ModelSourceError, match=f"^{text}: {cause}"):
             fetch_model(parse_ref(text), tmp_path / "cache")
     assert_nothing_half_written(tmp_path / "cache")
+
+
+def test_an_unreachable_source_serves_the_copy_already_cached(llama_dir, hub, tmp_path, monkeypatch):
+    hub.add("org/offline", llama_dir)
+    cache = tmp_path / "cache"
+    cached = fetch_model(parse_ref("hf://org/offline"), cache)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")  # nothing listens there
+    assert fetch_model(parse_ref("hf://org/offline"), cache) == cached
+    with pytest.raises(ModelSourceError, match="hf://org/other: the Hub .* is unreachable"):
+        fetch_model(parse_ref("hf://org/other"), cache)

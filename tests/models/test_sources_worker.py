@@ -5,6 +5,7 @@ exit code 2 before the worker registers, with nothing left in the cache."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -103,25 +104,46 @@ def bad_inputs(s3_bucket: str) -> dict[str, tuple[dict[str, str | None], str]]:
     }
 
 
-def test_each_bad_input_is_one_line_and_exit_2_with_nothing_cached(llama_dir, hub, s3_bucket, tmp_path):
+@pytest.fixture
+def bad_sources(llama_dir, hub, s3_bucket):
+    """The Hub and S3 holding what bad_inputs names (and a good copy to refuse without credentials)."""
     hub.add("org/bad", llama_dir)
     hub.add("org/private", llama_dir, token="hf_secret")
     hub.add("org/truncated", llama_dir, truncate={"model.safetensors": 1000})
     hub.add("org/huge", llama_dir, claim_size={"model.safetensors": 10**18})
     for path in llama_dir.iterdir():
         s3_client().upload_file(str(path), s3_bucket, f"tiny/{path.name}")
-    cases = bad_inputs(s3_bucket)
-    runs = {}
-    for i, (ref, (extra, _)) in enumerate(cases.items()):
-        runs[ref] = ferry(["worker"], worker_env(ref, tmp_path / f"cache-{i}", FERRY_REDIS_URL="redis://127.0.0.1:1",
-                                                 **extra))
+    return bad_inputs(s3_bucket)
+
+
+def test_each_bad_input_is_one_line_and_exit_2_with_nothing_cached(
+        bad_sources, tmp_path, monkeypatch, caplog, restore_process_hooks):  # noqa: F811
+    """In this process (Worker.run, what `ferry worker` returns as its exit code), one cause after another."""
+    for i, (ref, (extra, cause)) in enumerate(bad_sources.items()):
+        with monkeypatch.context() as env:
+            for name, value in extra.items():
+                env.delenv(name, raising=False) if value is None else env.setenv(name, value)
+            caplog.clear()
+            settings = WorkerSettings(redis_url="redis://127.0.0.1:1", metrics_port=0, model_name="tiny",
+                                      engine={"model": ref, "model_cache_dir": str(tmp_path / f"cache-{i}")})
+            assert Worker(settings).run() == 2, ref
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and errors[0].model == ref, (ref, [r.getMessage() for r in errors])
+        assert ref in errors[0].error and cause in errors[0].error, errors[0].error
+        assert_cache_empty(tmp_path / f"cache-{i}")
+
+
+def test_the_worker_process_exits_2_with_one_json_line(bad_sources, s3_bucket, tmp_path):
+    refs = ["hf://org/no-such-repo", f"s3://{s3_bucket}/tiny/"]  # the second without credentials
+    runs = {ref: ferry(["worker"], worker_env(ref, tmp_path / f"cache-{i}", FERRY_REDIS_URL="redis://127.0.0.1:1",
+                                              **bad_sources[ref][0]))
+            for i, ref in enumerate(refs)}
     for i, (ref, proc) in enumerate(runs.items()):
         _, err = proc.communicate(timeout=120)
         lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
         errors = [line for line in lines if line["level"] in ("error", "critical")]
         assert proc.returncode == 2, (ref, err[-2000:])
-        assert len(errors) == 1 and errors[0]["model"] == ref, (ref, err[-2000:])
-        assert ref in errors[0]["error"] and cases[ref][1] in errors[0]["error"], errors[0]
+        assert len(errors) == 1 and errors[0]["model"] == ref and bad_sources[ref][1] in errors[0]["error"], err
         assert_cache_empty(tmp_path / f"cache-{i}")
 
 
