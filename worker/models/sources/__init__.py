@@ -39,7 +39,7 @@ def fetch_model(ref: ModelRef, cache_dir: Path, max_bytes: int | None = None, ba
         cached = cached_entries(cache, ref)
         if not cached:
             raise
-        log.warning("%s; serving the copy cached on %s", exc, cached[0].path.name,
+        log.warning("%s; serving the copy the node has (%s)", exc, cached[0].path.name,
                     extra={"model": ref.text, "revision": cached[0].source["version"]})
         cache.touch(cached[0])
         return _served_path(ref, cached[0].path)
