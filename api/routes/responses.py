@@ -59,7 +59,6 @@ async def _stored(svc: Services, ident: str, tenant_name: str) -> tuple[JobRecor
     return record, meta
 
 
-
 def _stream(svc: Services, job_id: str, request: JobRequest, meta: ResponseMeta, starting_after: int,
             cancel_on_disconnect: bool) -> StreamingResponse:
     """The response's typed events after `starting_after`, as SSE, rebuilt from the job's events."""
