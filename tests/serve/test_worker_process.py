@@ -333,17 +333,23 @@ def test_http_health_ready_metrics(stack):
     assert stack.client.zscore(stack.keys.models, "tiny") > time.time() - 10
 
 
+def _running_mid_generation(stack, job_id: str, candidates: list[WorkerProc]) -> WorkerProc | None:
+    """The candidate worker running `job_id`, once the job has streamed a few tokens; None otherwise."""
+    rec = record(stack.client, stack.keys, job_id)
+    if rec.state is not JobState.running or len(events(stack.client, stack.keys, job_id)) < 4:
+        return None
+    return next((w for w in candidates if w.worker_id == rec.worker_id), None)
+
+
 def _holder_mid_generation(stack, job_ids: list[str], candidates: list[WorkerProc]) -> tuple[WorkerProc, list[str]]:
     """A candidate worker running at least one of `job_ids` that has streamed a few tokens already."""
     c, k = stack.client, stack.keys
-    by_id = {w.worker_id: w for w in candidates}
 
     def find():
         for j in job_ids:
-            rec = record(c, k, j)
-            if rec.worker_id in by_id and rec.state is JobState.running and len(events(c, k, j)) >= 4:
-                held = [i for i in job_ids if record(c, k, i).worker_id == rec.worker_id]
-                return by_id[rec.worker_id], held
+            worker = _running_mid_generation(stack, j, candidates)
+            if worker is not None:
+                return worker, [i for i in job_ids if record(c, k, i).worker_id == worker.worker_id]
         return None
 
     return wait_for(find, 60, "a spare worker mid-generation", interval=0.02)
@@ -353,13 +359,11 @@ def _frozen_mid_generation(stack, job_ids: list[str], candidates: list[WorkerPro
     """A candidate worker stopped (SIGSTOP) while it runs at least one of `job_ids` that has streamed a
     few tokens: the job was still running once the worker could no longer end it."""
     c, k = stack.client, stack.keys
-    by_id = {w.worker_id: w for w in candidates}
 
     def find():
         for j in job_ids:
-            rec = record(c, k, j)
-            if rec.worker_id in by_id and rec.state is JobState.running and len(events(c, k, j)) >= 4:
-                worker = by_id[rec.worker_id]
+            worker = _running_mid_generation(stack, j, candidates)
+            if worker is not None:
                 worker.proc.send_signal(signal.SIGSTOP)
                 if record(c, k, j).state is JobState.running:
                     return worker
