@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Header
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from ferry.worker.protocol import JobRequest, JobState, Priority, Timings, Usage, Webhook
@@ -126,6 +127,11 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# The create routes' Idempotency-Key (/v1/jobs' semantics: the same key and body answer the same job,
+# another body is a 409). The OpenAI routes declare their own, 3 characters shorter (a choice's suffix).
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Path, Query
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -19,7 +19,7 @@ from ferry.api.auth import tenant
 from ferry.api.batches import BATCH_ID_PATTERN, ENDPOINTS, WINDOW_S, batch_json, new_batch_id
 from ferry.api.errors import ApiError, not_found
 from ferry.api.files import get_record
-from ferry.api.schemas import error_responses
+from ferry.api.schemas import IdempotencyKey, error_responses
 from ferry.api.services import Services, check_webhook_url, services
 from ferry.api.tracing import current_traceparent
 from ferry.worker.protocol import lua
@@ -29,7 +29,6 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
 BatchId = Annotated[str, Path(pattern=BATCH_ID_PATTERN)]
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]
 
 
 class BatchWebhook(BaseModel):

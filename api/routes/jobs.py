@@ -16,6 +16,7 @@ from ferry.api.joblist import list_jobs
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.ratelimit import admit_jobs
 from ferry.api.schemas import (
+    IdempotencyKey,
     JobCreate,
     JobErrorInfo,
     JobList,
@@ -132,7 +133,7 @@ async def create_job(
     http: Request,
     svc: Svc,
     tenant_name: Tenant,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
+    idempotency_key: IdempotencyKey = None,
     prefer: Annotated[str | None, Header(description="`wait=N`: block up to N seconds for the result")] = None,
 ):
     model = await resolve_model(svc, body.input.model, field="input.model")

@@ -14,7 +14,7 @@ import time
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.anthropic_jobs import message_job
@@ -32,6 +32,7 @@ from ferry.api.job_wait import cancel_quietly, run_without_generating
 from ferry.api.offloop import OffLoopBodyRoute
 from ferry.api.openai_responses import job_error
 from ferry.api.ratelimit import admit_jobs
+from ferry.api.schemas import IdempotencyKey
 from ferry.api.services import Services, check_against_model, resolve_model, services, submit
 from ferry.api.streaming import DEADLINE_MARGIN_S, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, prime
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, Event
@@ -40,7 +41,6 @@ router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=OffLoopBodyRout
 
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]
 
 _TICK_S = 0.5  # idle ticks of a follow: disconnect checks and keep-alive timing
 _ENDED = object()  # what anext() gives for a follow that has ended

@@ -14,7 +14,7 @@ import time
 from typing import Annotated, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ferry.api.auth import tenant
@@ -27,7 +27,7 @@ from ferry.api.responses_jobs import ResponseMeta, job_id_of, response_id, respo
 from ferry.api.responses_render import ResponseEvents, input_items, response_object
 from ferry.api.responses_schemas import RESPONSE_ID_PATTERN, ResponseCreate
 from ferry.api.routes.jobs import wait_until_terminal
-from ferry.api.schemas import error_responses
+from ferry.api.schemas import IdempotencyKey, error_responses
 from ferry.api.services import Services, cancel_job, check_against_model, get_job, resolve_model, services, submit
 from ferry.api.streaming import DEADLINE_MARGIN_S, KEEPALIVE, SSE_EVENT_SCHEMA, SSE_HEADERS, follow_events, sse_json
 from ferry.worker.protocol import TERMINAL_EVENT_TYPES, JobRecord, JobRequest
@@ -37,7 +37,6 @@ router = APIRouter(prefix="/v1/responses", tags=["responses"], route_class=OffLo
 Svc = Annotated[Services, Depends(services)]
 Tenant = Annotated[str, Depends(tenant)]
 ResponseId = Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]
 
 _TICK_S = 0.5  # idle ticks: disconnect checks and keep-alive timing
 _STOP_WAIT_S = 10.0  # how long cancel and delete wait for a running response to stop
