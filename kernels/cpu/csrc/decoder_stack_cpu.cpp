@@ -27,7 +27,7 @@ namespace ferry {
 namespace {
 
 // One projection: float32 panels [ceil(N / 16), K, 16] (linear_cpu.cpp, format "F32") or GGUF
-// tiles [ceil(N / 8), K / 32, tile bytes] (quantized_linear_cpu.cpp, format "Q8_0", "Q4_0", "Q4_1"),
+// tiles [ceil(N / 8), units, unit bytes] (quantized_tiles.h; format "Q8_0", "Q4_0", ..., "Q6_K"),
 // optional bias [N].
 struct Projection {
   torch::Tensor weight;

@@ -49,12 +49,15 @@
 namespace {
 
 using ferry::quantized::Format;
+using ferry::quantized::dispatch_format;
 using ferry::quantized::has_offset;
 using ferry::quantized::kBlock;
 using ferry::quantized::kRowsPerTile;
 using ferry::quantized::parse_format;
 using ferry::quantized::quants_offset;
 using ferry::quantized::tile_bytes;
+using ferry::quantized::unit_bytes;
+using ferry::quantized::unit_planes;
 
 constexpr int64_t kVectorGroups = 4;  // tiles side by side for one row of x (batch 1)
 
@@ -307,13 +310,13 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
   TORCH_CHECK(!x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
               "x must be a float32 CPU [M, K] tensor with contiguous rows");
   TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
-                  tiles.size(2) == tile_bytes(format),
-              "tiles must be a contiguous uint8 [ceil(N/8), K/32, ", tile_bytes(format), "] tensor for ", qtype);
-  TORCH_CHECK(tiles.size(1) * kBlock == x.size(1), "x has ", x.size(1), " columns, the weight ",
-              tiles.size(1) * kBlock);
+                  tiles.size(2) == unit_bytes(format),
+              "tiles must be a contiguous uint8 [ceil(N/8), units, ", unit_bytes(format), "] tensor for ", qtype);
+  const int64_t blocks = tiles.size(1) * unit_planes(format);  // 32-column blocks
+  TORCH_CHECK(blocks * kBlock == x.size(1), "x has ", x.size(1), " columns, the weight ", blocks * kBlock);
   TORCH_CHECK(out_features > (tiles.size(0) - 1) * kRowsPerTile && out_features <= tiles.size(0) * kRowsPerTile,
               "out_features does not match the number of tile groups");
-  const int64_t M = x.size(0), N = out_features, blocks = tiles.size(1);
+  const int64_t M = x.size(0), N = out_features;
   const float* bias_ptr = nullptr;
   torch::Tensor bias_contiguous;
   if (bias.has_value()) {
@@ -334,17 +337,9 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
 #ifdef FERRY_QUANTIZED_VNNI
   ferry::quantized::linear_int16(format, xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
 #else
-  switch (format) {
-    case Format::kQ8_0:
-      product<Format::kQ8_0>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
-      break;
-    case Format::kQ4_0:
-      product<Format::kQ4_0>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
-      break;
-    case Format::kQ4_1:
-      product<Format::kQ4_1>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
-      break;
-  }
+  dispatch_format(format, [&](auto f) {
+    product<decltype(f)::value>(xp, x.stride(0), M, tp, groups, blocks, xsum_ptr, bias_ptr, op, N);
+  });
 #endif
 #else
   TORCH_CHECK(false, "linear_quantized needs AVX2, FMA and F16C");
