@@ -1,24 +1,35 @@
-// y = x @ W^T (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1) and dequantized in
-// registers; x, the accumulation and y stay float32.
+// y = x @ W^T (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K) and dequantized in registers; x, the accumulation and y stay float32.
 //
 // Why: a batch-1 decode step reads every weight once, so its time is the bytes of W over the
 // memory bandwidth. Q4_1 is 5 bits a weight against float32's 32; the product only has to
 // unpack faster than memory delivers the bytes.
 //
-// Layout (repacked once at load by kernels/cpu/quantized.py; the bytes are the GGUF tensor's,
-// regrouped): one tile per 8 output rows x one 32-column block,
+// Layout (kernels/cpu/quantized_formats.py repacks once at load; the bytes are the GGUF tensor's,
+// regrouped; quantized_tiles.h has the offsets): per 8 output rows, one unit per GGUF block (32
+// columns, 256 for the K-quants), a header (each field for the 8 rows side by side) and one
+// quants plane per 32 columns:
 //
-//   tiles: [ceil(N / 8), K / 32, TILE] uint8, tile (g, b) covers W[8g .. 8g+8, 32b .. 32b+32]
-//     Q8_0 (272 B): d[8] fp16 | q[32][8] int8                  w[8g+i, 32b+j] = d[i] q[j][i]
-//     Q4_0 (144 B): d[8] fp16 | n[16][8]                       n[j][i] = q(j) | q(j+16) << 4, w = d[i] (q - 8)
-//     Q4_1 (160 B): d[8] fp16 | m[8] fp16 | n[16][8]           w = d[i] q + m[i]
-//   (rows past N are zero). Lane i of every vector is output row 8g + i, so a tile needs no
-//   shuffles: 8 bytes widen (vpmovzxbd) to one vector of 8 rows at one column (Q8_0) or, split
-//   into nibbles, to two (Q4: columns j and j + 16); the 8 rows' scales are one F16C conversion.
+//   tiles: [ceil(N / 8), units, unit bytes] uint8 (rows past N are zero), plane of block b of
+//   group g covers W[8g .. 8g+8, 32b .. 32b+32]; n[j][i] = q(i, j) | q(i, j+16) << 4
+//     Q8_0  d[8] fp16                      | q[32][8] int8                  w[8g+i, 32b+j] = d[i] q[j][i]
+//     Q4_0  d[8]                           | n[16][8]                       w = d (q - 8)
+//     Q4_1  d[8] m[8] fp16                 | n[16][8]                       w = d q + m
+//     Q5_0  d[8]                           | n[16][8] h[8] u32              w = d (q - 16)     (h[i] bit c: q(i, c) bit 4)
+//     Q5_1  d[8] m[8]                      | n[16][8] h[8] u32              w = d q + m
+//     Q4_K  d[8] dmin[8] sc[8][8] mn[8][8] | 8 planes n[16][8]              plane p: w = (d sc[p]) q - dmin mn[p]
+//     Q5_K  as Q4_K                        | 8 planes n[16][8] h[8]
+//     Q6_K  d[8] sc[16][8] int8            | 8 planes n[16][8] h[2][8]      columns 16k.. of plane p: w = (d sc[2p+k]) (q - 32)
+//   (Q6_K: h[k][i] bits 2t, 2t+1 are q(i, 16k + t) bits 4, 5). Lane i of every vector is output
+//   row 8g + i, so a plane needs no shuffles: 8 bytes widen (vpmovzxbd) to one vector of 8 rows
+//   at one column (Q8_0) or, split into nibbles, to two (Q4: columns j and j + 16); the 8 rows'
+//   scales are one F16C conversion (K: times the 8 rows' u8/int8 sub-block scales). 5- and 6-bit
+//   planes are first staged as one byte per quant (see stage()).
 //
-// Per block, for each row r of x and output row n, in an order that does not depend on M:
-//   s   = sum_{j<16} q[n, j] x[r, j]  +  sum_{j<16} q[n, j+16] x[r, j+16]   (two FMA chains)
-//   y  += d[n] s                        (+ m[n] xsum[r, b] for Q4_1; m = -8 d for Q4_0)
+// Per 32-column block, for each row r of x and output row n, in an order that does not depend on M:
+//   s0  = sum_{j<16} q[n, j] x[r, j],   s1 = sum_{j<16} q[n, j+16] x[r, j+16]   (two FMA chains)
+//   y  += d[n] (s0 + s1)      (+ m[n] xsum[r, b]: m = -8 d, -16 d for Q4_0, Q5_0; -dmin mn for K)
+//   Q6_K, a scale per 16 columns: y += d0[n] s0 + d1[n] s1, with q - 32 widened signed (as Q8_0)
 // where xsum[r, b] = sum of x[r, 32b .. 32b+32] is computed once per call and shared by every
 // output row. So y is the product with the dequantized W up to float32 summation order, and a
 // row of x gets the same floats alone or in any batch (as linear_cpu.cpp guarantees).
@@ -30,7 +41,8 @@
 // broadcast of x feeds 2 FMAs as in linear_cpu.cpp. Per 16 weights the widening costs ~5 vector
 // ops (vpmovzxbd, and, shift, 2 cvtdq2ps) beside the 2 FMAs: with AVX2 a core widens Q4_1
 // slower than its memory read delivers it, so batch 1 is bound by that widening (bench/README.md
-// has the figures); with more rows the FMAs dominate as in the float32 product.
+// has the figures); with more rows the FMAs dominate as in the float32 product. 5/6-bit: 4 ops
+// per 16 weights plus the staging's 3-4.
 //
 //   x:     [M, K] float32, rows may be strided
 //   tiles: as above
@@ -49,12 +61,15 @@
 namespace {
 
 using ferry::quantized::Format;
+using ferry::quantized::block_header;
+using ferry::quantized::block_in_unit;
+using ferry::quantized::block_plane;
 using ferry::quantized::dispatch_format;
 using ferry::quantized::has_offset;
 using ferry::quantized::kBlock;
 using ferry::quantized::kRowsPerTile;
 using ferry::quantized::parse_format;
-using ferry::quantized::quants_offset;
+using ferry::quantized::quant_bits;
 using ferry::quantized::tile_bytes;
 using ferry::quantized::unit_bytes;
 using ferry::quantized::unit_planes;
@@ -63,10 +78,70 @@ constexpr int64_t kVectorGroups = 4;  // tiles side by side for one row of x (ba
 
 #ifdef FERRY_QUANTIZED
 
-// Column j and column j + 16 of a tile's 8 rows as floats: the quants of chunk j.
+// 5- and 6-bit planes are rebuilt once per block as one byte per quant, in Q8_0's order
+// (staged[j][i] = q(row i, column j), 32 columns x 8 rows; Q6_K: q - 32 as int8), so each chunk
+// then widens as Q8_0 does (2 vpmovsxbd from L1, 2 cvtdq2ps). Inserting the high bits per chunk
+// instead (an immediate shift, an and and an or per column) took 11-13 vector ops per 16 weights
+// against Q4's 5: batch 1 ran at 1.75x (Q5_0) and 2.1x (Q6_K) Q4_1's time per weight. Staging
+// costs ~50 byte-wide ops a block (Q6_K ~60: 3-4 per chunk), and took batch 1 on the harness's
+// shapes (1 thread, AVX2 build on a Zen 4 EPYC) from 253 to 190 us for Q5_0, 371 to 251 us for
+// Q6_K. Staging the 4-bit formats too made Q4_1 7% slower: their split is only 2 ops a chunk.
+constexpr bool staged_format(Format f) { return quant_bits(f) == 5 || quant_bits(f) == 6; }
+constexpr int64_t kStagedBytes = kBlock * kRowsPerTile;
+
+template <Format F>
+inline void stage(const uint8_t* plane, uint8_t* staged) {
+  // Per 128-bit lane (4 rows), dword k of the result holds byte k of the 4 rows' high-bit words.
+  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // Byte k of all 8 rows' words in every qword: qword c of a staged vector is column 4 t + c.
+  const auto rows_byte = [](__m256i transposed, int k) {
+    return _mm256_permutevar8x32_epi32(transposed, _mm256_setr_epi32(k, 4 + k, k, 4 + k, k, 4 + k, k, 4 + k));
+  };
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  __m256i words[2];
+  words[0] = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + 128)), transpose);
+  if constexpr (quant_bits(F) == 6)
+    words[1] = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + 160)), transpose);
+#pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) {  // columns 4 t .. 4 t + 4 and 16 + 4 t .. 16 + 4 t + 4
+    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + 32 * t));
+    __m256i low = _mm256_and_si256(n, nibble), up = _mm256_and_si256(_mm256_srli_epi16(n, 4), nibble);
+    if constexpr (quant_bits(F) == 5) {
+      // Column 4 t + c is bit 4 (t % 2) + c of byte t / 2 (column 16 + ...: byte 2 + t / 2): the
+      // and keeps bit c of qword c, then a lookup turns 1, 2, 4, 8 into 0x10 (vpshufb reads 4 bits).
+      const __m256i bit = _mm256_setr_epi64x(0x0101010101010101, 0x0202020202020202, 0x0404040404040404,
+                                             0x0808080808080808);
+      const __m256i to_16 = _mm256_setr_epi8(0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0,
+                                             0, 16, 16, 0, 16, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0);
+      __m256i first = rows_byte(words[0], t / 2), second = rows_byte(words[0], 2 + t / 2);
+      if (t % 2) first = _mm256_srli_epi16(first, 4), second = _mm256_srli_epi16(second, 4);
+      low = _mm256_or_si256(low, _mm256_shuffle_epi8(to_16, _mm256_and_si256(first, bit)));
+      up = _mm256_or_si256(up, _mm256_shuffle_epi8(to_16, _mm256_and_si256(second, bit)));
+    } else if constexpr (quant_bits(F) == 6) {
+      // Column 4 t + c is bits 2c, 2c + 1 of byte t (h[1]: column 16 + ...): qwords 2, 3 shift their
+      // byte's high nibble down, the and keeps the 2 bits (as 0-3 or 0, 4, 8, 12), and a lookup gives
+      // 16 h - 32 in the high nibble: or the low 4 bits in and the byte is the int8 q - 32.
+      const __m256i down = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+      const __m256i pair = _mm256_setr_epi64x(0x0303030303030303, 0x0C0C0C0C0C0C0C0C, 0x0303030303030303,
+                                              0x0C0C0C0C0C0C0C0C);
+      const __m256i to_signed = _mm256_setr_epi8(-32, -16, 0, 16, -16, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0,
+                                                 -32, -16, 0, 16, -16, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0);
+      const __m256i first = _mm256_srlv_epi32(rows_byte(words[0], t), down);
+      const __m256i second = _mm256_srlv_epi32(rows_byte(words[1], t), down);
+      low = _mm256_or_si256(low, _mm256_shuffle_epi8(to_signed, _mm256_and_si256(first, pair)));
+      up = _mm256_or_si256(up, _mm256_shuffle_epi8(to_signed, _mm256_and_si256(second, pair)));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(staged + 32 * t), low);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(staged + 128 + 32 * t), up);
+  }
+}
+
+// Column j and column j + 16 of a tile's 8 rows as floats: the quants of chunk j. quants: the
+// plane, or for a staged format the staged bytes.
 template <Format F>
 inline void unpack(const uint8_t* quants, int j, __m256& first, __m256& second) {
-  if constexpr (F == Format::kQ8_0) {
+  if constexpr (F == Format::kQ8_0 || staged_format(F)) {  // Q5: 0 .. 31, so sign extension is exact
     const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * j));
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * (j + 16)));
     first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
@@ -75,6 +150,36 @@ inline void unpack(const uint8_t* quants, int j, __m256& first, __m256& second) 
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * j)));
     first = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
     second = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+}
+
+// A block's multipliers for the 8 rows, from its unit's header (p: the block's plane in the unit):
+// total += d0 first + d1 second + m xsum. d1 differs from d0 only for Q6_K (a scale per 16 columns);
+// m = 0 where has_offset is false. The K scales are gguf's float32 products d sc and dmin mn.
+template <Format F>
+inline void block_scales(const uint8_t* header, int64_t p, __m256& d0, __m256& d1, __m256& m) {
+  const auto half8 = [&](int64_t at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at)));
+  };
+  const auto u8 = [&](int64_t at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(header + at))));
+  };
+  const __m256 d = half8(0);
+  d0 = d1 = d;
+  m = _mm256_setzero_ps();
+  if constexpr (F == Format::kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+  if constexpr (F == Format::kQ5_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+  if constexpr (F == Format::kQ4_1 || F == Format::kQ5_1) m = half8(16);
+  if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {  // d[8] dmin[8] sc[8][8] mn[8][8]
+    d0 = d1 = _mm256_mul_ps(d, u8(32 + 8 * p));
+    m = _mm256_xor_ps(_mm256_mul_ps(half8(16), u8(96 + 8 * p)), _mm256_set1_ps(-0.f));
+  }
+  if constexpr (F == Format::kQ6_K) {  // d[8] sc[16][8] int8: halves 2 p (columns j) and 2 p + 1 (j + 16)
+    const auto i8 = [&](int64_t at) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(header + at))));
+    };
+    d0 = _mm256_mul_ps(d, i8(16 + 16 * p));
+    d1 = _mm256_mul_ps(d, i8(24 + 16 * p));
   }
 }
 
@@ -99,11 +204,24 @@ inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, co
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) total[r][g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* tile = tiles + b * tile_bytes(F);
     if (next) {
       const char* ahead = reinterpret_cast<const char*>(next) + b * G * tile_bytes(F);
       for (int64_t line = 0; line < G * tile_bytes(F); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
     }
+    const uint8_t* quants[G];
+    alignas(32) uint8_t staged[staged_format(F) && !UNPACKED ? G : 1][kStagedBytes];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      quants[g] = block_plane(F, tiles + g * group_stride, b);
+      if constexpr (staged_format(F) && !UNPACKED) {
+        stage<F>(quants[g], staged[g]);
+        quants[g] = staged[g];
+      }
+    }
+    // The chunks must read the staged bytes from L1 (vpmovsxbd with a memory operand): without
+    // this, GCC keeps them in registers and carves out each 8 bytes with 2-3 shuffles, 10% slower
+    // than the per-chunk unpacking this replaces.
+    if constexpr (staged_format(F) && !UNPACKED) asm volatile("" : : "r"(&staged[0][0]) : "memory");
     __m256 first[R][G], second[R][G];  // the block's two FMA chains (columns j and j + 16)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -119,7 +237,7 @@ inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, co
           w0 = _mm256_loadu_ps(u);
           w1 = _mm256_loadu_ps(u + kRowsPerTile);
         } else {
-          unpack<F>(tile + g * group_stride + quants_offset(F), j, w0, w1);
+          unpack<F>(quants[g], j, w0, w1);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -131,15 +249,16 @@ inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, co
     }
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      const uint8_t* header = tile + g * group_stride;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header)));
-      __m256 m = d;
-      if constexpr (F == Format::kQ4_1)
-        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16)));
-      if constexpr (F == Format::kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+      __m256 d0, d1, m;
+      block_scales<F>(block_header(F, tiles + g * group_stride, b), block_in_unit(F, b), d0, d1, m);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        total[r][g] = _mm256_fmadd_ps(d, _mm256_add_ps(first[r][g], second[r][g]), total[r][g]);
+        if constexpr (F == Format::kQ6_K) {
+          total[r][g] = _mm256_fmadd_ps(d0, first[r][g], total[r][g]);
+          total[r][g] = _mm256_fmadd_ps(d1, second[r][g], total[r][g]);
+        } else {
+          total[r][g] = _mm256_fmadd_ps(d0, _mm256_add_ps(first[r][g], second[r][g]), total[r][g]);
+        }
         if constexpr (has_offset(F))
           total[r][g] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + r * blocks + b), total[r][g]);
       }
@@ -192,9 +311,16 @@ void unpack_group(const uint8_t* group_tiles, int64_t blocks, float* unpacked, c
     if (next)
       for (int64_t line = 0; line < tile_bytes(F); line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next) + b * tile_bytes(F) + line, _MM_HINT_T1);
+    const uint8_t* quants = block_plane(F, group_tiles, b);
+    alignas(32) uint8_t staged[kStagedBytes];
+    if constexpr (staged_format(F)) {
+      stage<F>(quants, staged);
+      quants = staged;
+      asm volatile("" : : "r"(staged) : "memory");  // read back from L1, as in micro
+    }
     for (int j = 0; j < 16; ++j) {
       __m256 w0, w1;
-      unpack<F>(group_tiles + b * tile_bytes(F) + quants_offset(F), j, w0, w1);
+      unpack<F>(quants, j, w0, w1);
       _mm256_storeu_ps(unpacked + ((b * 16 + j) * 2) * kRowsPerTile, w0);
       _mm256_storeu_ps(unpacked + ((b * 16 + j) * 2 + 1) * kRowsPerTile, w1);
     }
