@@ -18,12 +18,13 @@ from contextlib import contextmanager
 import torch
 
 from ferry.kernels import reference
-from ferry.kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.kernels.cpu.quantized import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from ferry.kernels.metadata import AttentionMetadata
 from ferry.kernels.stack_layer import StackLayer
 
 __all__ = [
     "AttentionMetadata",
+    "QuantizedParts",
     "QuantizedWeight",
     "StackLayer",
     "backend_for",

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels import reference
-from ferry.kernels.cpu.quantized import QuantizedWeight
+from ferry.kernels.cpu.quantized import QuantizedParts, QuantizedWeight
 from ferry.kernels.metadata import AttentionMetadata
 from ferry.kernels.stack_layer import StackLayer
 
@@ -294,14 +294,17 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear(
     x: torch.Tensor,  # [..., in_features]
-    weight: torch.Tensor | PackedWeight | QuantizedWeight,  # [out_features, in_features], or packed
+    weight: torch.Tensor | PackedWeight | QuantizedWeight | QuantizedParts,  # [out_features, in_features], or packed
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [..., out_features]
     """F.linear; with a packed weight, the native register-blocked product; with a quantized one,
     the fused-dequantization product (F.linear on its dequantized weights where no native build
-    runs it)."""
+    runs it), part by part for a fused weight whose parts differ in type."""
     if isinstance(weight, QuantizedWeight):
         return _linear_quantized(x, weight, bias)
+    if isinstance(weight, QuantizedParts):
+        out = torch.cat([_linear_quantized(x, part, None) for part in weight.parts], dim=-1)
+        return out if bias is None else out + bias
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, weight.in_features)
@@ -398,7 +401,8 @@ def decoder_stack(
     native build lacks a product they need."""
     module = _packed_module()
     projections = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if module is None or (any(isinstance(w, QuantizedWeight) for w in projections) and _quantized_module() is None):
+    quantized = (QuantizedWeight, QuantizedParts)
+    if module is None or (any(isinstance(w, quantized) for w in projections) and _quantized_module() is None):
         return None
     native = module.DecoderStack(num_heads, num_kv_heads, head_dim, eps, scale, final_norm.detach().contiguous())
     for layer in layers:
@@ -415,8 +419,11 @@ def decoder_stack(
     return DecoderStack(native, len(layers))
 
 
-def _projection(module, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None):
+def _projection(module, weight: PackedWeight | QuantizedWeight | QuantizedParts, bias: torch.Tensor | None):
     bias = None if bias is None else bias.detach().contiguous()
+    if isinstance(weight, QuantizedParts):
+        parts = [module.Projection(p.tiles, p.qtype, p.out_features, None) for p in weight.parts]
+        return module.Projection.fused(parts, weight.out_features, bias)
     if isinstance(weight, QuantizedWeight):
         return module.Projection(weight.tiles, weight.qtype, weight.out_features, bias)
     return module.Projection(weight.panels, "F32", weight.out_features, bias)

@@ -23,7 +23,7 @@ from ferry.kernels.cpu.quantized_formats import (
     unpack_tiles,
 )
 
-__all__ = ["FORMATS", "QuantizedWeight", "pack_quantized_weight", "quantize_int8_weight"]
+__all__ = ["FORMATS", "QuantizedParts", "QuantizedWeight", "pack_quantized_weight", "quantize_int8_weight"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,38 @@ class QuantizedWeight:
         rows = _dequantize_tiles(self.tiles[flat // TILE_ROWS], self.qtype).view(-1, TILE_ROWS, self.in_features)
         picked = rows[torch.arange(flat.numel()), flat % TILE_ROWS]
         return picked.reshape(*ids.shape, self.in_features)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedParts:
+    """A fused weight (q/k/v, gate/up) whose parts a GGUF file stores in different block types
+    (llama.cpp's Q4_K_M gives some layers' v more bits than q and k): each part stays in its own
+    tiles and the product runs part by part into one output, so nothing is expanded or re-quantized."""
+
+    parts: tuple[QuantizedWeight, ...]  # in output-row order, one in_features
+
+    def __post_init__(self) -> None:
+        if len({p.in_features for p in self.parts}) != 1:
+            raise ValueError("the parts of a fused weight must share in_features")
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def qtype(self) -> str:  # for logs and repr: "Q5_0+Q5_0+Q8_0"
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
+        return torch.cat([p.dequantize() for p in self.parts])
 
 
 def pack_quantized_weight(raw_blocks: torch.Tensor, qtype: str, out_features: int, in_features: int) -> QuantizedWeight:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ferry.kernels import ops
-from ferry.kernels.ops import AttentionMetadata, QuantizedWeight
+from ferry.kernels.ops import AttentionMetadata, QuantizedParts, QuantizedWeight
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
 from ferry.worker.models.sharding import UNSHARDED, Shard, local_arch
 
@@ -29,18 +29,19 @@ class PackedLinear(nn.Module):
     (`kernels.pack_linear_weight`) or kept quantized (`kernels.QuantizedWeight`). The [out, in]
     tensor itself is dropped, so the weights are held once."""
 
-    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # a native PackedWeight or a QuantizedWeight
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:  # a native PackedWeight, QuantizedWeight or -Parts
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.register_buffer("packed", _held_tensor(weight), persistent=False)  # counted by buffers(), like a weight
+        for i, held in enumerate(_held_tensors(weight)):  # counted by buffers(), like a weight
+            self.register_buffer("packed" if i == 0 else f"packed_{i}", held, persistent=False)
         self.in_features, self.out_features = weight.in_features, weight.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        form = self.weight.qtype if isinstance(self.weight, QuantizedWeight) else "packed"
+        form = self.weight.qtype if isinstance(self.weight, (QuantizedWeight, QuantizedParts)) else "packed"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {form}"
 
 
@@ -60,8 +61,10 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.weight.out_features}, {self.weight.in_features}, {self.weight.qtype}"
 
 
-def _held_tensor(weight) -> torch.Tensor:
-    return weight.tiles if isinstance(weight, QuantizedWeight) else weight.panels
+def _held_tensors(weight) -> list[torch.Tensor]:
+    if isinstance(weight, QuantizedParts):
+        return [part.tiles for part in weight.parts]
+    return [weight.tiles if isinstance(weight, QuantizedWeight) else weight.panels]
 
 
 def _all_reduce(partial: torch.Tensor, shard: Shard) -> torch.Tensor:

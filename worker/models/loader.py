@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ferry.kernels.ops import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.kernels.ops import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from ferry.worker.models.bundled import bundled_model_file
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
 from ferry.worker.models.errors import ModelNotFoundError, ModelSourceError
@@ -270,10 +270,11 @@ def checkpoint_tensors(
             bar.update()
 
 
-def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, QuantizedWeight]:
+def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, QuantizedWeight | QuantizedParts]:
     """The model's matrices that stay in the file's blocks (KEPT_TYPES), by parameter name. A
-    fused parameter qualifies only when all its parts are in one kept type; the rest are loaded
-    dequantized from the checkpoint."""
+    fused parameter (q/k/v, gate/up) qualifies when all its parts are in kept types: one packed
+    weight where they share a type, else its parts side by side (`QuantizedParts`: llama.cpp's
+    Q4_K_M stores some layers' v in more bits than q and k). The rest are loaded dequantized."""
     parts: dict[str, dict[str | None, GGUFTensor]] = {}
     for tensor in checkpoint.tensors:
         mapped = map_name(tensor.name)
@@ -284,10 +285,15 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
     for target, shards in parts.items():
         tensors = [shards[s] for s in sorted(shards, key=lambda s: 0 if s is None else _shard_rows(arch, s).start)]
         qtypes = {t.qtype for t in tensors}
-        if len(qtypes) != 1 or not qtypes <= KEPT_TYPES:
+        if not qtypes <= KEPT_TYPES:
             continue
-        blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
-        kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
+        if len(qtypes) == 1:
+            blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
+            kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
+        else:
+            kept[target] = QuantizedParts(tuple(
+                pack_quantized_weight(raw_blocks(t), t.qtype.name, t.shape[0], t.shape[1]) for t in tensors
+            ))
     return kept
 
 

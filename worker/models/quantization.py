@@ -2,16 +2,17 @@
 
 `EngineConfig.quantization` / `FERRY_QUANTIZATION`:
 
-- None (the default): the format's own. A GGUF file with Q8_0/Q4_0/Q4_1 tensors, on the CPU in
-  float32, is served as "gguf" (measured faster at batch 1 and 4x smaller: bench/README.md);
-  anything else as "none".
+- None (the default): the format's own. A GGUF file with tensors in a kept type (KEPT_TYPES:
+  Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), on the CPU in float32, is served as "gguf"
+  (measured faster at batch 1 and 4-7x smaller: bench/README.md); anything else as "none".
 - "none": float weights only; a GGUF file is served from its dequantized conversion.
-- "gguf": a GGUF file's Q8_0, Q4_0 and Q4_1 matrices stay in their blocks and run through the
-  fused-dequantization product (`kernels.QuantizedWeight`); every other type (F16, BF16, the
-  K-quants, Q5_0/Q5_1) is dequantized to float32 as with "none". A fused projection (q/k/v,
-  gate/up) stays quantized only when all its parts share one kept type. The embedding table
+- "gguf": a GGUF file's matrices in a kept type stay in their blocks and run through the
+  fused-dequantization product (`kernels.QuantizedWeight`); every other type (F16, BF16, Q2_K,
+  Q3_K, the IQ types) is dequantized to float32 as with "none". A fused projection (q/k/v,
+  gate/up) whose parts are in different kept types keeps each part in its own (`QuantizedParts`:
+  llama.cpp's Q4_K_M gives some layers' v more bits than q and k). The embedding table
   and the LM head stay as the file stores them: llama.cpp's converters already keep them at
-  Q8_0 or better (SmolLM2's tied table is Q8_0 in its Q4_1 file), one quantized table serves
+  Q6_K/Q8_0 or better (SmolLM2's tied table is Q8_0 in its Q4_1 file), one quantized table serves
   both the lookup and the head, and the head's product is the largest of a step.
 - "int8": weight-only int8 for a float checkpoint, quantized at load: every matrix whose width
   is a multiple of 32 (projections, embeddings, the head) in Q8_0 blocks (one fp16 scale per

@@ -28,16 +28,22 @@ namespace {
 
 // One projection: float32 panels [ceil(N / 16), K, 16] (linear_cpu.cpp, format "F32") or GGUF
 // tiles [ceil(N / 8), units, unit bytes] (quantized_tiles.h; format "Q8_0", "Q4_0", ..., "Q6_K"),
-// optional bias [N].
+// optional bias [N]; or (format "fused") parts whose outputs are concatenated, for a fused weight
+// whose parts a GGUF file stores in different types (kernels/cpu/quantized.py's QuantizedParts).
 struct Projection {
   torch::Tensor weight;
   std::string format;
   int64_t out_features;
   c10::optional<torch::Tensor> bias;
+  std::vector<Projection> parts;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (format == "F32") return linear_packed(x, weight, out_features, bias);
-    return linear_quantized(x, weight, format, out_features, bias);
+    if (format != "fused") return linear_quantized(x, weight, format, out_features, bias);
+    std::vector<torch::Tensor> outs;
+    for (const Projection& part : parts) outs.push_back(part(x));
+    torch::Tensor out = torch::cat(outs, 1);
+    return bias.has_value() ? out.add_(*bias) : out;
   }
 };
 
@@ -131,8 +137,20 @@ class DecoderStack {
 void bind_decoder_stack(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Projection>(m, "Projection", "one projection's weight (float32 panels or GGUF tiles) and bias")
-      .def(py::init<torch::Tensor, std::string, int64_t, c10::optional<torch::Tensor>>(), py::arg("weight"),
-           py::arg("format"), py::arg("out_features"), py::arg("bias"));
+      .def(py::init([](torch::Tensor weight, std::string format, int64_t out_features,
+                       c10::optional<torch::Tensor> bias) {
+             return Projection{std::move(weight), std::move(format), out_features, std::move(bias), {}};
+           }),
+           py::arg("weight"), py::arg("format"), py::arg("out_features"), py::arg("bias"))
+      .def_static(
+          "fused",
+          [](std::vector<Projection> parts, int64_t out_features, c10::optional<torch::Tensor> bias) {
+            int64_t rows = 0;
+            for (const Projection& part : parts) rows += part.out_features;
+            TORCH_CHECK(!parts.empty() && rows == out_features, "the parts' rows must add up to out_features");
+            return Projection{torch::Tensor(), "fused", out_features, std::move(bias), std::move(parts)};
+          },
+          py::arg("parts"), py::arg("out_features"), py::arg("bias"));
   py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer of a Llama-family model in one native call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("final_norm"))
