@@ -64,13 +64,15 @@ def write_gguf(
     *,
     arch: str | None = None,
     overrides: dict[str, np.ndarray] | None = None,
+    types: dict[str, str] | None = None,
     tokenizer_model: str = "gpt2",
     seed: int = 0,
 ) -> Path:
     """Write the checkpoint in `hf_dir` as a GGUF at `out` with its matrices in `qtype`.
 
     `arch` replaces the config's model type in the file (e.g. "falcon"); `overrides` gives raw
-    arrays for some HF names, stored in their numpy dtype (an F64 norm, say)."""
+    arrays for some HF names, stored in their numpy dtype (an F64 norm, say); `types` other types
+    for some GGUF names (a mix as llama.cpp's Q4_K_M writes: {"blk.0.attn_v.weight": "Q8_0"})."""
     config = AutoConfig.from_pretrained(hf_dir)
     arch = arch or {"mistral": "llama"}.get(config.model_type, config.model_type)
     weights = load_file(str(hf_dir / "model.safetensors"))
@@ -86,17 +88,20 @@ def write_gguf(
             writer.add_tensor(name, overrides[hf_name])
             continue
         data = tensor.astype(np.float32)
+        tensor_type = (types or {}).get(name, qtype)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             data = llama_cpp_permute(data, heads)
-        if data.ndim == 1 or qtype == "F32":
+        if data.ndim == 1 or tensor_type == "F32":
             writer.add_tensor(name, data)
-        elif qtype == "F16":
+        elif tensor_type == "F16":
             writer.add_tensor(name, data.astype(np.float16))
-        elif qtype in K_SCALE_OFFSETS:
-            writer.add_tensor(name, random_k_blocks(data.shape, qtype, rng), raw_dtype=GGMLQuantizationType[qtype])
+        elif tensor_type in K_SCALE_OFFSETS:
+            kind = GGMLQuantizationType[tensor_type]
+            writer.add_tensor(name, random_k_blocks(data.shape, tensor_type, rng), raw_dtype=kind)
         else:
-            writer.add_tensor(name, quantize(data, GGMLQuantizationType[qtype]), raw_dtype=GGMLQuantizationType[qtype])
+            kind = GGMLQuantizationType[tensor_type]
+            writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

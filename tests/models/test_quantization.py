@@ -1,5 +1,6 @@
-"""Quantized weights in the engine (worker/models/quantization.py): a GGUF's Q8_0/Q4_0/Q4_1 blocks
-kept as they are and int8 quantized at load, against the float32 engine on the same weights.
+"""Quantized weights in the engine (worker/models/quantization.py): a GGUF's blocks (Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) kept as they are and int8 quantized at load, against the
+float32 engine on the same weights.
 
 "gguf" multiplies the very values the dequantized engine holds, in another summation order, so
 greedy tokens must agree (the check allows one prompt of five to part on a near-tie) and
@@ -32,23 +33,39 @@ HELD_OUT = (
     "when it drains. def step(self):\n    return self.scheduler.schedule()\n"
 )
 # (tiny model, its options, GGUF type): untied head and permuted llama q/k rows; a tied
-# quantized table (lookup and head); Qwen2's q/k/v biases beside quantized projections.
+# quantized table (lookup and head); Qwen2's q/k/v biases beside quantized projections; the
+# K-quants on rows of 256 (their block), one tied.
+WIDE = {"hidden_size": 256}
 CASES = [
     ("llama", {}, "Q8_0"),
     ("llama", {"tie_word_embeddings": True}, "Q4_0"),
     ("qwen2", {}, "Q4_1"),
+    ("llama", {}, "Q5_0"),
+    ("llama", WIDE, "Q4_K"),
+    ("qwen2", {**WIDE, "tie_word_embeddings": True}, "Q6_K"),
 ]
+# What llama.cpp's Q4_K_M makes of a model whose hidden size is no multiple of 256 (SmolLM2's
+# 576): Q5_0 where it wants Q4_K, Q8_0 where it wants Q6_K (some layers' v), the K-quants in
+# ffn_down (rows of the intermediate size). Layer 0's q/k/v then mixes Q5_0 and Q8_0.
+Q4_K_M_LIKE = {
+    "token_embd.weight": "Q8_0",
+    "output.weight": "Q5_1",
+    "blk.0.attn_v.weight": "Q8_0",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.ffn_down.weight": "Q4_K",
+}
 
 
 @pytest.fixture(scope="module")
 def gguf_path(tiny_model_factory, tmp_path_factory):
     out = tmp_path_factory.mktemp("quantized-gguf")
 
-    def make(arch: str, options: dict, qtype: str):
-        name = f"{arch}-{'-'.join(f'{k}={v}' for k, v in sorted(options.items()))}-{qtype}.gguf"
+    def make(arch: str, options: dict, qtype: str, types: dict[str, str] | None = None):
+        mixed = "-mixed" if types else ""
+        name = f"{arch}-{'-'.join(f'{k}={v}' for k, v in sorted(options.items()))}-{qtype}{mixed}.gguf"
         path = out / name
         if not path.exists():
-            write_gguf(tiny_model_factory(arch, **options), path, qtype)
+            write_gguf(tiny_model_factory(arch, **options), path, qtype, types=types)
         return path
 
     return make
@@ -108,8 +125,27 @@ def test_default_keeps_a_quantized_gguf_quantized_on_the_cpu_only(gguf_path, tmp
     assert load(gguf_path("llama", {}, "F32"), tmp_path).engine.quantization == "none"  # nothing to keep
 
 
+def test_a_q4_k_m_mix_keeps_every_matrix_in_its_own_type(gguf_path, tmp_path):
+    """Per-tensor types as llama.cpp's Q4_K_M writes them for a hidden size of 64 (no multiple
+    of 256), the K-quants on ffn_down's rows of 512 (the intermediate size): every matrix stays in
+    its file's type, layer 0's q/k/v as Q5_0 + Q5_0 + Q8_0 parts side by side, and the engine
+    still decodes as the dequantized one."""
+    path = gguf_path("llama", {"intermediate_size": 512}, "Q5_0", Q4_K_M_LIKE)
+    quantized, plain = load(path, tmp_path, quantization="gguf"), load(path, tmp_path, quantization="none")
+    model = quantized.engine.runner.model
+    kinds = {name: m.weight.qtype for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert kinds["layers.0.self_attn.qkv_proj"] == "Q5_0+Q5_0+Q8_0"
+    assert kinds["layers.1.self_attn.qkv_proj"] == "Q5_0"
+    assert (kinds["layers.0.mlp.down_proj"], kinds["layers.1.mlp.down_proj"]) == ("Q6_K", "Q4_K")
+    assert model.lm_head.qtype == "Q5_1" and model.embed_tokens.weight.qtype == "Q8_0"
+    assert model.native_stack is not None
+    got, want = greedy(quantized), greedy(plain)
+    assert agreeing(got, want) >= len(CORPUS) - 1, f"{agreeing(got, want)}/{len(CORPUS)} prompts agree"
+    assert perplexity(quantized.engine, HELD_OUT) == pytest.approx(perplexity(plain.engine, HELD_OUT), rel=5e-3)
+
+
 def test_gguf_types_the_product_cannot_read_are_dequantized(gguf_path, tmp_path):
-    path = gguf_path("llama", {}, "Q5_0")
+    path = gguf_path("llama", WIDE, "Q3_K")
     kept, plain = load(path, tmp_path, quantization="gguf"), load(path, tmp_path, quantization="none")
     held = [getattr(m, "weight", None) for m in kept.engine.runner.model.modules()]
     assert kept.engine.quantization == "gguf" and not any(isinstance(w, QuantizedWeight) for w in held)

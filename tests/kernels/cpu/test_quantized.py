@@ -1,5 +1,6 @@
 """The quantized-weight product (kernels/cpu/quantized.py, csrc/quantized_linear_cpu.cpp) against
-dequantize-then-matmul, with `gguf.quants` as the reference quantizer and dequantizer.
+dequantize-then-matmul, with `gguf.quants` as the reference quantizer and dequantizer (the
+K-quants, which gguf cannot quantize, as random blocks with small scales: tests/gguf_files.py).
 
 Tolerance: the kernel sums the same products as F.linear on the dequantized weights, in another
 order (per block: sum q x, then times d, plus m times the block's sum of x), so both results carry
@@ -25,9 +26,16 @@ import torch
 
 from ferry.kernels import ops
 from ferry.kernels.cpu import native as cpu_native
-from ferry.kernels.cpu.quantized import QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.kernels.cpu.quantized import (
+    FORMATS,
+    QuantizedParts,
+    QuantizedWeight,
+    pack_quantized_weight,
+    quantize_int8_weight,
+)
+from tests.gguf_files import random_k_blocks
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+QTYPES = list(FORMATS)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
 RTOL = 1e-5  # of sum_k |x_k w_k|, see the module docstring
 
 
@@ -36,12 +44,21 @@ def native():
     assert cpu_native.available(), "the native CPU kernels did not build (g++ and ninja are needed)"
 
 
+def fit(qtype: str, in_features: int) -> int:
+    """in_features rounded up to the type's block (256 columns for the K-quants)."""
+    columns = FORMATS[qtype].columns
+    return -(-in_features // columns) * columns
+
+
 def gguf_weight(out_features: int, in_features: int, qtype: str, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
     """A random weight quantized by gguf: (packed for the product, gguf's own dequantization)."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen)
     kind = gguf.GGMLQuantizationType[qtype]
-    raw = gguf.quants.quantize(weight.numpy(), kind)
+    if FORMATS[qtype].columns == 256:  # gguf has no K-quantizer: random blocks, gguf's dequantization
+        raw = random_k_blocks((out_features, in_features), qtype, np.random.default_rng(seed))
+    else:
+        raw = gguf.quants.quantize(weight.numpy(), kind)
     dequantized = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)))
     return pack_quantized_weight(torch.from_numpy(raw), qtype, out_features, in_features), dequantized
 
@@ -66,10 +83,14 @@ def assert_product_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (13, 32), (37, 96), (64, 576), (40, 1536)])
 def test_packed_blocks_dequantize_exactly_as_gguf_does(qtype, out_features, in_features):
+    in_features = fit(qtype, in_features)
     weight, dequantized = gguf_weight(out_features, in_features, qtype, seed=out_features + in_features)
     assert torch.equal(weight.dequantize(), dequantized)
-    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
-    assert weight.nbytes == -(-out_features // 8) * 8 * in_features // 32 * block_bytes  # the GGUF bytes, in tiles
+    fmt = FORMATS[qtype]
+    padded_rows, blocks = -(-out_features // 8) * 8, in_features // fmt.columns
+    assert weight.nbytes == padded_rows * blocks * fmt.unit_bytes // 8
+    # The GGUF bytes, in tiles; the K-quants' 12 packed scale bytes held as 16 (+2.3-2.8%).
+    assert weight.nbytes <= 1.03 * padded_rows * blocks * fmt.gguf_bytes
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -81,6 +102,7 @@ def test_packed_blocks_dequantize_exactly_as_gguf_does(qtype, out_features, in_f
 def test_product_matches_dequantized_matmul(qtype, rows, out_features, in_features, with_bias):
     """Out rows that fill no whole 8-row tile (1, 13, 37, 100), one block and many, batch 1 (4
     tiles at a time and a tail), and row blocks of 2, 4 + 3 and 6 x 3 + 5 x 3."""
+    in_features = fit(qtype, in_features)
     weight, dequantized = gguf_weight(out_features, in_features, qtype, seed=rows * out_features + in_features)
     gen = torch.Generator().manual_seed(rows)
     # Rows of x as a strided view (a slice of a wider activation), as the model passes them.
@@ -95,8 +117,9 @@ def test_product_matches_dequantized_matmul(qtype, rows, out_features, in_featur
 def test_a_row_gets_the_same_floats_in_any_batch(qtype):
     """As for the float32 product: decode alone and the same row in a batch or a verification run
     are summed in the same order, which keeps greedy speculative decoding token-identical."""
-    weight, _ = gguf_weight(75, 192, qtype, seed=5)
-    x = torch.randn(13, 192, generator=torch.Generator().manual_seed(6))
+    in_features = fit(qtype, 192)
+    weight, _ = gguf_weight(75, in_features, qtype, seed=5)
+    x = torch.randn(13, in_features, generator=torch.Generator().manual_seed(6))
     bias = torch.randn(75, generator=torch.Generator().manual_seed(7))
     batch = cpu_native.linear(x, weight, bias)
     for r in range(13):
@@ -114,7 +137,7 @@ def test_dispatch_keeps_leading_dims():
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_embedding_rows_come_dequantized(qtype):
-    weight, dequantized = gguf_weight(45, 64, qtype, seed=10)
+    weight, dequantized = gguf_weight(45, fit(qtype, 64), qtype, seed=10)
     ids = torch.tensor([[0, 44, 7], [8, 8, 21]])
     assert torch.equal(weight.dequantize_rows(ids), dequantized[ids])
     assert torch.equal(ops.embedding(ids, weight), dequantized[ids])  # the native gather
@@ -170,7 +193,7 @@ def test_smollm2_gguf_tensors_multiply_as_gguf_dequantizes_them():
     assert torch.equal(ops.embedding(ids, weight), dequantized[ids])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16", "q4_1"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "F16", "q4_1"])
 def test_unsupported_qtype_is_refused_by_name(qtype):
     with pytest.raises(ValueError, match=f"quantization type '{qtype}' is not supported"):
         pack_quantized_weight(torch.zeros(8, 18, dtype=torch.uint8), qtype, 8, 32)
@@ -181,8 +204,26 @@ def test_bad_shapes_are_refused_by_name():
         pack_quantized_weight(torch.zeros(8, 30, dtype=torch.uint8), "Q4_1", 8, 48)
     with pytest.raises(ValueError, match=r"must be uint8 \[8, 40\], got torch.uint8 \[8, 36\]"):
         pack_quantized_weight(torch.zeros(8, 36, dtype=torch.uint8), "Q4_1", 8, 64)
+    with pytest.raises(ValueError, match="in_features 576 is not a multiple of the Q4_K block of 256"):
+        pack_quantized_weight(torch.zeros(8, 324, dtype=torch.uint8), "Q4_K", 8, 576)
     with pytest.raises(ValueError, match="in_features 100 is not a multiple of the Q8_0 block of 32"):
         quantize_int8_weight(torch.randn(4, 100))
+
+
+def test_a_fused_weight_of_mixed_types_multiplies_part_by_part():
+    """llama.cpp's Q4_K_M stores some layers' v in more bits than q and k: the fused q/k/v keeps
+    each part in its own type and its product is theirs side by side."""
+    q, q_dequantized = gguf_weight(24, 256, "Q5_0", seed=13)
+    v, v_dequantized = gguf_weight(13, 256, "Q6_K", seed=14)
+    fused = QuantizedParts((q, v))
+    assert (fused.out_features, fused.in_features, fused.qtype) == (37, 256, "Q5_0+Q6_K")
+    dequantized = torch.cat([q_dequantized, v_dequantized])
+    assert torch.equal(fused.dequantize(), dequantized)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(15))
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(16))
+    assert_product_close(ops.linear(x, fused, bias), x, dequantized, bias)
+    with pytest.raises(ValueError, match="share in_features"):
+        QuantizedParts((q, gguf_weight(8, 512, "Q4_K", seed=17)[0]))
 
 
 def test_decoder_stack_with_quantized_layers_matches_layer_by_layer(tiny_model_factory):
@@ -193,11 +234,11 @@ def test_decoder_stack_with_quantized_layers_matches_layer_by_layer(tiny_model_f
 
     runner = Engine(str(tiny_model_factory("qwen2")), kv_cache_bytes=8 << 20, max_model_len=256).runner
     model = runner.model
-    formats = ["Q4_1", "Q8_0", "Q4_0", "int8", "F32"]
+    formats = ["Q4_1", "Q8_0", "Q4_0", "int8", "F32", "Q5_0", "Q5_1", "parts"]
     for i, layer in enumerate(model.layers):
         modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         for j, module in enumerate(modules):
-            module.weight = _quantized(_unpacked(module.weight), formats[(i + j) % len(formats)])
+            module.weight = _quantized(_unpacked(module.weight), formats[(4 * i + j) % len(formats)])
     model.native_stack = model._build_native_stack()
     assert model.native_stack is not None
 
@@ -225,11 +266,14 @@ def _unpacked(weight) -> torch.Tensor:  # a float32 PackedWeight's [out, in] mat
 
 
 def _quantized(weight: torch.Tensor, qtype: str):
+    if qtype == "parts":  # the first rows Q5_0, the rest Q8_0
+        split = weight.shape[0] // 2
+        return QuantizedParts((_quantized(weight[:split], "Q5_0"), _quantized(weight[split:], "Q8_0")))
     if qtype == "F32":
         return cpu_native.pack_weight(weight)
     if qtype == "int8":
         return quantize_int8_weight(weight)
-    raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype])
+    raw = gguf.quants.quantize(weight.contiguous().numpy(), gguf.GGMLQuantizationType[qtype])
     return pack_quantized_weight(torch.from_numpy(raw), qtype, *weight.shape)
 
 
