@@ -49,6 +49,7 @@ ARCH_CASES = {
     "qwen3": {"head_dim": 32},
     "llama-mha": {"num_kv_heads": 4},
     "llama-gqa4": {"num_heads": 8, "num_kv_heads": 2, "hidden_size": 64},
+    "phi3": {},
 }
 
 
@@ -132,6 +133,15 @@ def test_a_rope_that_changes_with_the_sequence_length_is_refused_by_name(tiny_mo
         rope |= {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # head_dim 16: 8 frequencies
     model_dir = tiny_model_factory("llama", rope_parameters=rope)
     with pytest.raises(UnsupportedModelError, match=rope_type):
+        LLM(str(model_dir))
+
+
+def test_partial_rotary_is_refused_by_name_whatever_the_rope_type(tiny_model_factory):
+    """Phi-3.5/Phi-4-mini rotate only part of each head; Ferry's kernels rotate whole heads, so such a
+    checkpoint is refused before any weight loads (also with the default rope, where it used to pass)."""
+    model_dir = tiny_model_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.75})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
         LLM(str(model_dir))
 
 

@@ -28,6 +28,7 @@ CASES = {
     "llama-gqa": ("llama", {"num_heads": 4, "num_kv_heads": 2}),
     "qwen2-biases": ("qwen2", {"num_heads": 4, "num_kv_heads": 2}),
     "qwen3-qk-norm": ("qwen3", {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}),
+    "phi3-fused-checkpoint": ("phi3", {"num_heads": 4, "num_kv_heads": 2}),  # each rank slices the fused q/k/v
 }
 
 

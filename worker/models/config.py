@@ -1,7 +1,8 @@
 """The architecture facts Ferry needs, read from a Hugging Face `config.json`.
 
-One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2 and Qwen3: they differ only in the flags
-below (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings). RoPE variants come from
+One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2, Qwen3 and Phi-3/Phi-4: they differ only in
+the flags below (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings; Phi-3's checkpoints
+store q/k/v and gate/up already fused, which is how Ferry holds them). RoPE variants come from
 transformers' own rope init functions.
 """
 
@@ -17,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 
@@ -116,13 +118,17 @@ def _rope_config(cfg) -> RopeConfig:
         params.setdefault(key, value)
     theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"partial rotary embeddings (partial_rotary_factor {partial}) are not implemented: "
+            "Ferry rotates whole heads"
+        )
     if kind == "default":
         return RopeConfig(theta=theta, kind="default")
     if kind in _LENGTH_DEPENDENT_ROPE or kind not in ROPE_INIT_FUNCTIONS:
         supported = ", ".join(k for k in ("default", *ROPE_INIT_FUNCTIONS) if k not in _LENGTH_DEPENDENT_ROPE)
         raise UnsupportedModelError(f"unsupported rope type {kind!r}; Ferry implements {supported}")
-    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not implemented")
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
     return RopeConfig(theta=theta, kind=kind, inv_freq=tuple(inv_freq.float().tolist()),
                       attention_scaling=float(attention_scaling))

@@ -186,6 +186,27 @@ def map_name(name: str) -> tuple[str, str | None] | None:
     return f"layers.{layer}.{_RENAMED.get(rest, rest)}", None
 
 
+_FUSED_PARTS = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+
+
+def _slices(
+    arch: ModelArch, shard: Shard, target: str, part: str | None
+) -> Iterator[tuple[str | None, tuple[slice, ...]]]:
+    """(part, index into the checkpoint tensor) for each piece of it this rank reads. A tensor a
+    checkpoint stores already fused (Phi-3's qkv_proj and gate_up_proj) is read part by part, so
+    each rank takes its own q, k, v (gate, up) rows from it as from separate tensors."""
+    module = target.split(".", 2)[-1].rsplit(".", 1)[0]  # layers.{i}.<module>.{weight,bias}
+    if part is not None or module not in _FUSED_PARTS:
+        index = checkpoint_index(arch, shard, target, part)
+        if index is not None:  # None: a part of the model another rank holds
+            yield part, index
+        return
+    for piece in _FUSED_PARTS[module]:
+        rows = _shard_rows(arch, piece)  # the piece's rows in the whole fused tensor
+        local = checkpoint_index(arch, shard, target, piece) or (slice(0, rows.stop - rows.start),)
+        yield piece, (slice(rows.start + local[0].start, rows.start + local[0].stop),)
+
+
 def _shard_rows(arch: ModelArch, part: str) -> slice:
     """Rows of a fused parameter (qkv_proj, gate_up_proj) that checkpoint part `part` fills."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -260,13 +281,11 @@ def checkpoint_tensors(
                     mapped = map_name(name)
                     if mapped is None:
                         continue
-                    target, part = mapped
+                    target, fused_part = mapped
                     if (target == "lm_head" and arch.tie_word_embeddings) or target in skip:
                         continue  # tied (the embedding is the head), or held quantized
-                    index = checkpoint_index(arch, shard, target, part)
-                    if index is None:
-                        continue  # a part of the model another rank holds
-                    yield name, target, part, f.get_slice(name)[index] if index else f.get_tensor(name)
+                    for part, index in _slices(arch, shard, target, fused_part):
+                        yield name, target, part, f.get_slice(name)[index] if index else f.get_tensor(name)
             bar.update()
 
 
