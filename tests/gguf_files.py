@@ -37,6 +37,8 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors
+    "mlp.gate_up_proj": "ffn_up",
 }
 # Byte offsets of the float16 scale fields in one block of each K-quant (gguf/quants.py layouts).
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -148,5 +150,6 @@ def _write_tokenizer(writer: GGUFWriter, tokenizer, model: str) -> None:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.eos_token_id)  # as llama.cpp's converters often write it
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer.chat_template)

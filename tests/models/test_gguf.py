@@ -46,6 +46,7 @@ MODELS = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 128, "tie_word_embeddings": True}),
     "llama-wide": ("llama", {"hidden_size": 256}),  # rows of 256: the K-quants' block
+    "phi3": ("phi3", {}),  # fused attn_qkv and ffn_up (gate then up)
 }
 PARITY_CASES = [
     ("llama", "F32"),
@@ -55,6 +56,8 @@ PARITY_CASES = [
     ("qwen3", "F32"),
     ("qwen3", "Q8_0"),
     ("llama-wide", "Q4_K"),
+    ("phi3", "F32"),
+    ("phi3", "Q8_0"),
 ]
 # Every other type gguf.quants dequantizes that llama.cpp files use for weights: weights checked, no generation.
 TYPE_CASES = [("llama", q) for q in ("Q8_0", "F16", "BF16", "Q4_0", "Q5_0", "Q5_1")] + [

@@ -34,7 +34,7 @@ HELD_OUT = (
 )
 # (tiny model, its options, GGUF type): untied head and permuted llama q/k rows; a tied
 # quantized table (lookup and head); Qwen2's q/k/v biases beside quantized projections; the
-# K-quants on rows of 256 (their block), one tied.
+# K-quants on rows of 256 (their block), one tied; Phi-3's fused tensors.
 WIDE = {"hidden_size": 256}
 CASES = [
     ("llama", {}, "Q8_0"),
@@ -43,6 +43,7 @@ CASES = [
     ("llama", {}, "Q5_0"),
     ("llama", WIDE, "Q4_K"),
     ("qwen2", {**WIDE, "tie_word_embeddings": True}, "Q6_K"),
+    ("phi3", {}, "Q5_1"),  # q/k/v and gate/up fused in the file itself
 ]
 # What llama.cpp's Q4_K_M makes of a model whose hidden size is no multiple of 256 (SmolLM2's
 # 576): Q5_0 where it wants Q4_K, Q8_0 where it wants Q6_K (some layers' v), the K-quants in

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,8 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -54,12 +56,16 @@ class _Family:
     config_class: type[PretrainedConfig]
     model_class: type  # built on the meta device to list the tensors and shapes a config implies
     permuted_qk: bool  # llama.cpp reordered the q/k rows for its rotary kernel
+    layer_names: dict[str, str] = field(default_factory=dict)  # the family's own GGUF key -> HF module
 
 
 _FAMILIES = {
     "llama": _Family(LlamaConfig, LlamaForCausalLM, permuted_qk=True),
     "qwen2": _Family(Qwen2Config, Qwen2ForCausalLM, permuted_qk=False),
     "qwen3": _Family(Qwen3Config, Qwen3ForCausalLM, permuted_qk=False),
+    # Phi-3: q/k/v in one tensor, and ffn_up holds gate then up (as the HF checkpoint stores them).
+    "phi3": _Family(Phi3Config, Phi3ForCausalLM, permuted_qk=False,
+                    layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
 }
 
 # GGUF tensor name -> HF name. Layer tensors are `blk.{i}.<key>.{weight,bias}` in the file and
@@ -251,13 +257,26 @@ def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], 
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_metadata(reader, path, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=eos,
+        pad_token_id=_padding_id(reader, path, vocab_size),  # not Phi3Config's default 32000 on a smaller vocabulary
         dtype=_auto_dtype(reader),
     )
-    if arch != "qwen2":  # Qwen2 always has q/k/v biases; Llama's and Qwen3's are optional
+    if arch in ("llama", "qwen3"):  # Qwen2 always has q/k/v biases, Phi-3 none; Llama's and Qwen3's are optional
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+    if arch == "phi3":
+        if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+            raise UnsupportedModelError(
+                f"{path}: rope type 'longrope' (rope_factors_long/short tensors) is not supported: its frequencies "
+                "change with the sequence length"
+            )
+        kwargs["sliding_window"] = meta("attention.sliding_window", None)
     return family.config_class(**kwargs)
+
+
+def _padding_id(reader: GGUFReader, path: Path, vocab_size: int) -> int | None:
+    pad = _metadata(reader, path, "tokenizer.ggml.padding_token_id", None)
+    return pad if pad is not None and 0 <= pad < vocab_size else None
 
 
 def _rope_parameters(meta, path: Path) -> dict:
@@ -291,9 +310,9 @@ def _map_tensors(reader: GGUFReader, family: _Family, config) -> tuple[list[GGUF
         match = _LAYER_TENSOR.fullmatch(t.name)
         if t.name in _GLOBAL_NAMES:
             name, heads = _GLOBAL_NAMES[t.name], None
-        elif match is not None and match[2] in _LAYER_NAMES:
+        elif match is not None and (match[2] in family.layer_names or match[2] in _LAYER_NAMES):
             layer, key, kind = match.groups()
-            name = f"model.layers.{layer}.{_LAYER_NAMES[key]}.{kind}"
+            name = f"model.layers.{layer}.{family.layer_names.get(key) or _LAYER_NAMES[key]}.{kind}"
             heads = permuted.get(key) if family.permuted_qk else None
         else:
             unknown.append(t.name)
