@@ -1,7 +1,9 @@
-"""Quantized weights end to end: Ferry on SmolLM2-135M-Instruct's Q4_1 GGUF kept quantized, against
+"""Quantized weights end to end: Ferry on SmolLM2-135M-Instruct's GGUF kept quantized, against
 Ferry on the same file dequantized to float32 and against llama.cpp on the same file.
 
-Systems (one model file, `--model`, default the bundled SmolLM2-135M-Instruct Q4_1):
+Systems (one model file: `--model`, or `--variant Q4_K_M|Q5_K_M|Q6_K|...`, the bundled file made
+into that llama.cpp type by llama.cpp's own quantizer (bench/gguf_variants.py); default the
+bundled SmolLM2-135M-Instruct Q4_1):
   ferry-fp32   Engine(quantization="none"): the file dequantized to float32 (its cached conversion)
   ferry-gguf   Engine(quantization="gguf"): Q4_1 layers and the Q8_0 tied embedding/head kept in
                their blocks, multiplied by the fused-dequantization kernels
@@ -20,13 +22,17 @@ Workloads (greedy, EOS ignored, `--tokens` new tokens per request, default 256):
 
 Reported per system and workload: output tokens/s over the whole run (prefill included), wall
 seconds; per system the resident weight bytes (Ferry: every tensor its model holds, KV cache
-and rotary table excluded; llama.cpp: its model's tensor bytes, `llama_model_size`); whether
+and rotary table excluded; llama.cpp: its model's tensor bytes, `llama_model_size`), and
+ferry-gguf's over the file's tensor bytes; which product kernel ran (int16 on AVX512_VNNI, float32
+on AVX2: `ATEN_CPU_CAPABILITY=avx2` measures the AVX2 build on any x86 machine); whether
 ferry-gguf's batch-1 tokens equal ferry-fp32's; and the speedups that bench/README.md quotes.
 Each figure is the best of `--repeats` runs after a short warm-up, the systems taking turns.
 Threads: `--threads` (default 2) for torch and for llama.cpp alike.
 
     python -m bench.quantized                     # batch 1 and 32, 256 tokens
     python -m bench.quantized --quick             # 64 tokens, batch 8, no repeats
+    python -m bench.quantized --variant Q4_K_M    # the K-quant mix people download
+    ATEN_CPU_CAPABILITY=avx2 python -m bench.quantized --variant Q4_K_M   # the AVX2 kernels
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import write_result
+from bench.gguf_variants import tensor_bytes, tensor_types, variant_path
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP = "llama-cpp-python==0.3.36"
@@ -76,6 +83,7 @@ print(json.dumps({"seconds": seconds, "tokens": len(out), "token_ids": out, "wei
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--variant", default=None, help="the bundled file in this llama.cpp type (Q4_K_M, ...)")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1)
@@ -149,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     from ferry.worker.models.bundled import smollm2_gguf_path
 
     model = Path(args.model) if args.model else smollm2_gguf_path()
+    if args.variant:
+        python, why = tools_python(args.tools_python)
+        if python is None:
+            raise SystemExit(f"--variant needs llama.cpp's quantizer: {why}")
+        model = variant_path(args.variant, python)
     batch_prompts = [f"{i + 1}. {PROMPT}" for i in range(args.batch)]
     workloads = {"batch1": [PROMPT], f"batch{args.batch}": batch_prompts}
     kv_bytes = args.batch * (args.tokens + 64) * 30 * 2 * 3 * 64 * 4 * 5 // 4  # SmolLM2's KV, with room
@@ -212,11 +225,21 @@ def main(argv: list[str] | None = None) -> None:
         "weight_memory_fp32_over_gguf_ratio": ratio(results["ferry-fp32"]["weight_mb"],
                                                     results["ferry-gguf"]["weight_mb"]),
     }
+    from ferry.kernels.cpu import native
+
+    file_mb = tensor_bytes(model) / 1e6
+    factors["gguf_resident_over_file_tensors_ratio"] = round(results["ferry-gguf"]["weight_mb"] / file_mb, 3)
+    int16 = bool(native.load() and native.load().linear_quantized_int16())
+    # One result file per file type and kernel, so the README keeps the Q4_1 rows beside the K-quant ones.
+    suite = "quantized" + (f"_{args.variant.lower()}" if args.variant else "") + ("" if int16 else "_avx2")
     path = write_result(
-        "quantized",
+        suite,
         {
             "settings": {"model": model.name, "tokens": args.tokens, "batch": args.batch, "repeats": args.repeats,
                          "threads": args.threads, "prompt": PROMPT},
+            "kernel": "int16 activations (AVX512_VNNI)" if int16 else
+                      f"float32 activations ({torch.backends.cpu.get_cpu_capability()})",
+            "file": {"tensor_mb": round(file_mb, 1), "matrix_types": dict(tensor_types(model))},
             "results": results,
             "factors": {k: v for k, v in factors.items() if v is not None},
             "same_greedy_tokens_batch1": tokens["ferry-gguf/batch1"] == tokens["ferry-fp32/batch1"],

@@ -1,4 +1,5 @@
-"""Accuracy of the quantized engine on the real SmolLM2-135M-Instruct Q4_1 GGUF: greedy tokens and
+"""Accuracy of the quantized engine on the real SmolLM2-135M-Instruct GGUF (the bundled Q4_1, or
+`--variant Q4_K_M` etc. made by llama.cpp's quantizer): greedy tokens and
 held-out perplexity of `quantization="gguf"` (the file's blocks, multiplied by the native kernels:
 on AVX512_VNNI with activations rounded per block to int16) against `quantization="none"` (the
 same file dequantized to float32).
@@ -8,6 +9,7 @@ ignored), the first differing position of each that does not, and the two perple
 their relative difference (the issue's bar: within 0.5%).
 
     python -m bench.quantized_parity
+    python -m bench.quantized_parity --variant Q4_K_M
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import torch
 
 from bench.common import write_result
+from bench.gguf_variants import REPO
 
 PROMPTS = [
     f"{topic} Answer in a few sentences."
@@ -71,9 +74,19 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    parser.add_argument("--variant", default=None, help="the bundled file in this llama.cpp type (Q4_K_M, ...)")
+    parser.add_argument("--tools-python", default=str(REPO / ".venv-tools" / "bin" / "python"))
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
     model = args.model or str(smollm2_gguf_path())
+    if args.variant:
+        from bench.gguf_variants import variant_path
+        from bench.quantized import tools_python
+
+        python, why = tools_python(args.tools_python)
+        if python is None:
+            raise SystemExit(f"--variant needs llama.cpp's quantizer: {why}")
+        model = str(variant_path(args.variant, python))
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     outputs, ppl = {}, {}
     for quantization in ("none", "gguf"):
@@ -101,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"same greedy tokens: {result['same_greedy_tokens']}/{len(PROMPTS)} prompts ({args.tokens} tokens)")
     change = 100 * result["perplexity_relative_change"]
     print(f"perplexity fp32 {ppl['none']:.4f}, gguf {ppl['gguf']:.4f} ({change:+.3f}%)")
-    print(f"wrote {write_result('quantized_parity', result)}")
+    suite = "quantized_parity" + (f"_{args.variant.lower()}" if args.variant else "")
+    suite += "" if result["int16_activations"] else "_avx2"
+    print(f"wrote {write_result(suite, result)}")
 
 
 if __name__ == "__main__":

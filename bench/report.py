@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PLOTS_DIR = REPO / "bench" / "plots"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "quantized",
-               "redis_capacity")
+QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
+                    "quantized_q6_k")
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start",
+               *QUANTIZED_SUITES, "redis_capacity")
 
 
 @dataclass
@@ -196,21 +198,26 @@ def linear_cpu_rows(data: dict) -> list[Row]:
 
 def quantized_rows(data: dict) -> list[Row]:
     """Ferry on a GGUF's quantized blocks against llama.cpp one request at a time, and against its
-    own float32 engine on the same file."""
+    own float32 engine on the same file; labelled with the file's type (and the AVX2 kernels where
+    those ran)."""
     results = data.get("results") or {}
     big = f"batch{_get(data, 'settings', 'batch')}"
+    model = str(_get(data, "settings", "model") or "")
+    kind = model.removesuffix(".gguf").rsplit(".", 1)[-1] if model.count(".") >= 2 else "Q4_1"
+    if str(data.get("kernel", "")).startswith("float32"):
+        kind += ", AVX2 kernels"
     gguf, fp32 = results.get("ferry-gguf", {}), results.get("ferry-fp32", {})
     llama = _get(results, "llama.cpp", "batch1", "tokens_per_s")
     rows = [
-        Row("quantized", "output tok/s, Q4_1 GGUF, batch 1", _get(gguf, "batch1", "tokens_per_s"), llama,
+        Row("quantized", f"output tok/s, {kind} GGUF, batch 1", _get(gguf, "batch1", "tokens_per_s"), llama,
             "llama.cpp, one request", True),
-        Row("quantized", f"output tok/s, Q4_1 GGUF, {big.replace('batch', 'batch ')}", _get(gguf, big, "tokens_per_s"),
-            llama, "llama.cpp, one request at a time", True),
-        Row("quantized", "output tok/s, Q4_1 GGUF kept quantized, batch 1", _get(gguf, "batch1", "tokens_per_s"),
+        Row("quantized", f"output tok/s, {kind} GGUF, {big.replace('batch', 'batch ')}",
+            _get(gguf, big, "tokens_per_s"), llama, "llama.cpp, one request at a time", True),
+        Row("quantized", f"output tok/s, {kind} GGUF kept quantized, batch 1", _get(gguf, "batch1", "tokens_per_s"),
             _get(fp32, "batch1", "tokens_per_s"), "Ferry float32 (dequantized)", True),
-        Row("quantized", f"output tok/s, Q4_1 GGUF kept quantized, {big.replace('batch', 'batch ')}",
+        Row("quantized", f"output tok/s, {kind} GGUF kept quantized, {big.replace('batch', 'batch ')}",
             _get(gguf, big, "tokens_per_s"), _get(fp32, big, "tokens_per_s"), "Ferry float32 (dequantized)", True),
-        Row("quantized", "resident weights (MB), Q4_1 GGUF", gguf.get("weight_mb"), fp32.get("weight_mb"),
+        Row("quantized", f"resident weights (MB), {kind} GGUF", gguf.get("weight_mb"), fp32.get("weight_mb"),
             "Ferry float32 (dequantized)", False),
     ]
     return [r for r in rows if r.ferry is not None and r.baseline is not None]
@@ -276,7 +283,7 @@ def cold_start_rows(data: dict) -> list[Row]:
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
     "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows,
-    "quantized": quantized_rows,
+    **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
 
 
