@@ -126,14 +126,64 @@ def test_rope_variants_match_transformers(tiny_model_factory, variant):
     assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_a_rope_that_changes_with_the_sequence_length_is_refused_by_name(tiny_model_factory, rope_type):
-    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32}
-    if rope_type == "longrope":
-        rope |= {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # head_dim 16: 8 frequencies
+def test_a_rope_that_changes_with_the_sequence_length_is_refused_by_name(tiny_model_factory):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32}
     model_dir = tiny_model_factory("llama", rope_parameters=rope)
-    with pytest.raises(UnsupportedModelError, match=rope_type):
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
         LLM(str(model_dir))
+
+
+# Phi-3.5 / Phi-3-128k's LongRoPE, with the switch at 24 positions: prompts that stay short, cross
+# it while generating, and start past it (head_dim 16: 8 factors each).
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
+# Phi3Config also keeps the switch at the top level (its default, 4096, would win over the rope's).
+LONGROPE_LENGTHS = {"max_position_embeddings": 96, "original_max_position_embeddings": 24}
+
+
+LONGROPE_ENGINES = {
+    "plain": {"enable_prefix_caching": False},
+    "prefix-cache": {"enable_prefix_caching": True},
+    # n-gram proposals never reach past the switch unrecomputed (the repeated prompt proposes)
+    "ngram": {"speculative": {"method": "ngram", "measure_speedup": False, "min_acceptance_rate": 0.0}},
+}
+
+
+@pytest.mark.parametrize("engine", list(LONGROPE_ENGINES))
+def test_longrope_matches_transformers_across_the_switch(tiny_model_factory, engine):
+    """transformers rotates a sequence with the short factors while it is at most 24 tokens long;
+    when it first grows past that it drops its cache and recomputes every key with the long ones.
+    Ferry the same (a recompute at the switch), with prompts split into chunks, batched together
+    and (with the prefix cache) sharing a prefix across prompts on both sides of the switch."""
+    model_dir = tiny_model_factory("phi3", rope_parameters=LONGROPE, **LONGROPE_LENGTHS)
+    llm = LLM(str(model_dir), max_num_batched_tokens=8, block_size=4, **LONGROPE_ENGINES[engine])
+    assert llm.engine.arch.rope.kind == "longrope"
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, llm.engine.arch.vocab_size, (20,), generator=g).tolist()
+    prompts = [shared[:5], shared, shared + [7, 8, 9, 10, 11], shared[:12] + list(range(30, 50)), [9] * 24]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)  # 32 new tokens: every prompt ends past 24
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+    _assert_all_free(llm)
+
+
+def test_a_longrope_prompt_past_the_switch_is_rotated_long_from_its_first_token(tiny_model_factory):
+    """Greedy tokens of a tiny model hardly feel a rotation; each prompt token's logprob does. A
+    30-token prompt (past the switch at 24) scored in chunks of 8 must read as transformers' one
+    forward pass over it, which uses the long factors at every position."""
+    model_dir = tiny_model_factory("phi3", rope_parameters=LONGROPE, **LONGROPE_LENGTHS)
+    prompt = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    llm = LLM(str(model_dir), max_num_batched_tokens=8, block_size=4)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    scored = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    for position in range(1, len(prompt)):
+        token = prompt[position]
+        assert scored[position][token].logprob == pytest.approx(expected[position - 1, token].item(), abs=2e-4)
 
 
 def test_partial_rotary_is_refused_by_name_whatever_the_rope_type(tiny_model_factory):

@@ -41,6 +41,10 @@ class InputProcessor:
         self.eos_token_ids = model.eos_token_ids
         self.sampling_defaults = model.sampling_defaults  # what unset sampling fields take (generation_config.json)
         self.model_salt = model.model_salt
+        rope = model.arch.rope
+        # LongRoPE: a sequence longer than this is rotated with the long factors throughout, and
+        # its KV lives in a prefix-cache namespace of its own (config.rope_table_rows).
+        self.long_rope_after = rope.original_max_positions if rope.long_inv_freq is not None else None
         # Compiles grammars (None without a tokenizer: a grammar is over the tokens' text).
         self.structured = None if model.tokenizer is None else StructuredOutputManager(
             model.tokenizer, self.vocab_size, model.eos_token_ids, structured_outputs_cache_size
@@ -125,6 +129,11 @@ class InputProcessor:
             request.all_token_ids += resumed
             if request.generator is not None:
                 advance_generator(request.generator, len(resumed), self.vocab_size)
+        if self.long_rope_after is not None:
+            request.long_rope_after = self.long_rope_after
+            request.long_rope_cache_extra = cache_extra(f"{self.model_salt}|longrope-long", params.cache_salt)
+            if request.num_tokens > self.long_rope_after:  # long from its first token: nothing to recompute
+                request.rope_long, request.cache_extra = True, request.long_rope_cache_extra
         # A resume whose tokens reach its end: the core finishes it at once, and its text is final.
         ended = request.length_reached(self.max_model_len)
         detokenizer = self._detokenizer(request, resume, ended)

@@ -12,7 +12,7 @@ from ferry.worker.engine.outputs import Logprob, PositionLogprobs
 from ferry.worker.engine.sampler import SamplerOutput, sample
 from ferry.worker.engine.scheduler import SchedulerOutput
 from ferry.worker.engine.spec.decode import verify
-from ferry.worker.models.config import ModelArch
+from ferry.worker.models.config import ModelArch, rope_table_rows
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +28,13 @@ class SeqChunk:
     # Leading rows whose logits score the prompt token after them (params.prompt_logprobs); rank 0's
     # alone (the other tensor-parallel ranks compute no logits)
     num_prompt_logits: int = 0
+    long_rope: bool = False  # LongRoPE: the sequence is past the switch, rotate with the long factors
 
 
 @dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64: every scheduled token of every sequence, flat
-    positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
+    positions: torch.Tensor  # [num_tokens] int64: each token's rotary row: its position (LongRoPE: rope_table_rows)
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of its KV slot
     attention: AttentionMetadata  # query_start_loc, seq_lens, block_tables (shared by all layers)
     logits_indices: torch.Tensor  # [num_logits] int64: rows whose logits are computed (a chunk's prompt rows first)
@@ -62,6 +63,8 @@ class ModelRunner:
             device=self.device,
         )
         self._attention_workspace: dict = {}  # scratch buffers the CPU attention path reuses every step
+        # LongRoPE's rotary table holds the short factors' rows, then as many of the long factors'.
+        self._rope_half = model.cos_sin.shape[0] // (2 if arch.rope.long_inv_freq is not None else 1)
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -78,7 +81,7 @@ class ModelRunner:
         for chunk in chunks:
             start, end = chunk.start, chunk.start + len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(start, end))
+            positions.extend(rope_table_rows(self.arch.rope, start, end, chunk.long_rope, self._rope_half))
             table = chunk.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(end - start)
@@ -128,7 +131,7 @@ class ModelRunner:
             # Rows at positions start .. P-2 score the prompt token after them (P-1's row samples).
             scores_prompt = request.prompt_logprobs is not None
             num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start) if scores_prompt else 0
-            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits, num_prompt))
+            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits, num_prompt, request.rope_long))
             if num_logits:
                 sampling.append(request)
             if num_prompt:

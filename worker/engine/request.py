@@ -55,6 +55,11 @@ class Request:
     prompt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     cache_extra: bytes = b""  # prefix-cache namespace bytes (model salt + cache_salt)
+    # LongRoPE: past this many tokens the sequence is rotated with the long factors (all of it,
+    # recomputed at the switch: Scheduler._recompute_with_long_rope); None for every other rope
+    long_rope_after: int | None = None
+    long_rope_cache_extra: bytes = b""  # the namespace of its KV once long
+    rope_long: bool = False  # its KV is rotated with the long factors
     background: bool = False  # background work (a batch's line): steps aside while foreground prompts prefill
     # params.bad_words as token sequences (the input processor tokenizes them): the sampler masks
     # a sequence's last token while the output ends with the tokens before it.
@@ -89,6 +94,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def crossed_long_rope_switch(self) -> bool:
+        """LongRoPE: the sequence just grew past the switch while its KV holds short-factor keys."""
+        return self.long_rope_after is not None and not self.rope_long and self.num_tokens > self.long_rope_after
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -123,12 +123,19 @@ class Scheduler:
             if stands_aside and request.background:
                 index += 1
                 continue
+            if request.crossed_long_rope_switch:
+                self._recompute_with_long_rope(request)
+                continue  # back in waiting; the request now at `index` is the next one
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
                 continue
-            # Speculative proposals (decode only) ride along as extra query tokens, as far as the budget goes.
-            request.spec.keep(min(len(request.spec.token_ids), budget - num_new))
+            # Speculative proposals (decode only) ride along as extra query tokens, as far as the
+            # budget goes (and with LongRoPE not past the switch, which recomputes the sequence).
+            room = budget - num_new
+            if request.long_rope_after is not None and not request.rope_long:
+                room = min(room, request.long_rope_after - request.num_tokens)
+            request.spec.keep(min(len(request.spec.token_ids), room))
             while self.kv.allocate(request, num_new, lookahead=len(request.spec.token_ids)) is None:
                 if request.spec.token_ids:
                     request.spec.keep(0)  # proposals are optional: verify none rather than preempt
@@ -226,6 +233,21 @@ class Scheduler:
             out.requests.pop(i)
             return out.num_scheduled_tokens.pop(i)
         return 0
+
+    def _recompute_with_long_rope(self, request: Request) -> None:
+        """A LongRoPE sequence just grew past the switch: like transformers, which then drops its
+        cache, compute it again from its first token with the long factors. Its short-factor blocks
+        stay cached in their own namespace; the request re-enters by priority, as after a preemption
+        (not counted as one)."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.spec.clear()
+        request.spec.num_draft_computed = 0
+        request.rope_long, request.cache_extra = True, request.long_rope_cache_extra
+        request.block_keys.clear()
+        self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
         keys = [r.sort_key() for r in self.waiting]

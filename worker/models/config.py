@@ -34,6 +34,10 @@ class RopeConfig:
     # yarn, ...), so each variant's math is theirs; None: theta's plain ones
     inv_freq: tuple[float, ...] | None = None
     attention_scaling: float = 1.0  # cos and sin are multiplied by it (YaRN's mscale)
+    # LongRoPE (Phi-3.5, Phi-3-128k): the long factors' frequencies, used for a token whose sequence
+    # is longer than `original_max_positions` (see rope_table_rows); inv_freq holds the short ones.
+    long_inv_freq: tuple[float, ...] | None = None
+    original_max_positions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +109,10 @@ class ModelArch:
         )
 
 
-# Variants whose frequencies depend on the length of the sequence being run (transformers switches
-# them per forward pass): a paged cache holds keys rotated at one length, so Ferry refuses them.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Variants whose frequencies depend on the length of the sequence being run in ways a paged cache
+# cannot follow: dynamic NTK rescales every key's rotation as the sequence grows. (LongRoPE's
+# switch from short to long factors is per token: see rope_table_rows.)
+_LENGTH_DEPENDENT_ROPE = ("dynamic",)
 
 
 def _rope_config(cfg) -> RopeConfig:
@@ -130,8 +135,15 @@ def _rope_config(cfg) -> RopeConfig:
         supported = ", ".join(k for k in ("default", *ROPE_INIT_FUNCTIONS) if k not in _LENGTH_DEPENDENT_ROPE)
         raise UnsupportedModelError(f"unsupported rope type {kind!r}; Ferry implements {supported}")
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
+    long_inv_freq, original_max = None, 0
+    if kind == "longrope":
+        original_max = int(params.get("original_max_position_embeddings")
+                           or getattr(cfg, "original_max_position_embeddings", 0) or cfg.max_position_embeddings)
+        long, _ = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"), seq_len=original_max + 1)
+        long_inv_freq = tuple(long.float().tolist())
     return RopeConfig(theta=theta, kind=kind, inv_freq=tuple(inv_freq.float().tolist()),
-                      attention_scaling=float(attention_scaling))
+                      attention_scaling=float(attention_scaling), long_inv_freq=long_inv_freq,
+                      original_max_positions=original_max)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -143,6 +155,20 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of position * inv_freq in the first half, sin in the second,
-    both times the variant's attention scaling (as transformers scales them)."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(rope, head_dim))
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_scaling
+    both times the variant's attention scaling (as transformers scales them). LongRoPE: [2 *
+    max_positions, head_dim], the short factors' rows, then the long factors'."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    tables = [torch.outer(positions, rope_inv_freq(rope, head_dim))]
+    if rope.long_inv_freq is not None:
+        tables.append(torch.outer(positions, torch.tensor(rope.long_inv_freq, dtype=torch.float32)))
+    return torch.cat([torch.cat((f.cos(), f.sin()), dim=-1) for f in tables]) * rope.attention_scaling
+
+
+def rope_table_rows(rope: RopeConfig, start: int, end: int, long: bool, max_positions: int) -> range:
+    """The rows of rope_cos_sin_cache that rotate positions start .. end-1 of a sequence: the
+    positions themselves, or with LongRoPE, once the sequence is longer than original_max_positions
+    (`long`), the long factors' rows. transformers decides per forward pass from the sequence's
+    length and, when a sequence first grows past the switch, recomputes all its keys with the long
+    factors; the scheduler does the same (Scheduler._recompute_with_long_rope)."""
+    offset = max_positions if long and rope.long_inv_freq is not None else 0
+    return range(start + offset, end + offset)

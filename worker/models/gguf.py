@@ -267,8 +267,8 @@ def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], 
     if arch == "phi3":
         if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
             raise UnsupportedModelError(
-                f"{path}: rope type 'longrope' (rope_factors_long/short tensors) is not supported: its frequencies "
-                "change with the sequence length"
+                f"{path}: rope type 'longrope' (rope_factors_long/short tensors) is not read from GGUF files yet; "
+                "serve the model's safetensors checkpoint"
             )
         kwargs["sliding_window"] = meta("attention.sliding_window", None)
     return family.config_class(**kwargs)

@@ -4,7 +4,7 @@ A message is an int64 header `[op, payload length]` and an int64 payload, both b
 rank 0 over the control group (gloo, CPU tensors, whatever the model's device). A step's payload
 is its flat batch metadata, once per step and never per layer:
 
-    [num_chunks, (num_tokens, start, num_block_ids, num_logits, *token_ids, *block_ids) per chunk]
+    [num_chunks, (num_tokens, start, num_block_ids, num_logits, long_rope, *token_ids, *block_ids) per chunk]
 
 from which every rank builds the same `ModelInput` (`ModelRunner.prepare`) on its own device.
 """
@@ -49,7 +49,7 @@ def pack_chunks(chunks: list[SeqChunk]) -> torch.Tensor:
     """One step's chunks as the flat int64 payload above."""
     flat = [len(chunks)]
     for c in chunks:
-        flat += (len(c.token_ids), c.start, len(c.block_ids), c.num_logits)
+        flat += (len(c.token_ids), c.start, len(c.block_ids), c.num_logits, int(c.long_rope))
         flat += c.token_ids
         flat += c.block_ids
     return torch.tensor(flat, dtype=torch.int64)
@@ -59,10 +59,10 @@ def unpack_chunks(payload: torch.Tensor) -> list[SeqChunk]:
     flat = payload.tolist()
     chunks, i = [], 1
     for _ in range(flat[0]):
-        num_tokens, start, num_blocks, num_logits = flat[i : i + 4]
-        i += 4
+        num_tokens, start, num_blocks, num_logits, long_rope = flat[i : i + 5]
+        i += 5
         tokens = flat[i : i + num_tokens]
         i += num_tokens
-        chunks.append(SeqChunk(tokens, start, flat[i : i + num_blocks], num_logits))
+        chunks.append(SeqChunk(tokens, start, flat[i : i + num_blocks], num_logits, long_rope=bool(long_rope)))
         i += num_blocks
     return chunks

@@ -153,11 +153,13 @@ class DraftProposer:
                 request = active[i]
                 if step == 0:
                     start = request.spec.num_draft_computed
-                    chunks.append(SeqChunk(request.all_token_ids[start:], start, request.block_ids, 1))
+                    chunks.append(SeqChunk(request.all_token_ids[start:], start, request.block_ids, 1,
+                                           long_rope=request.rope_long))
                     self.catch_up_tokens = max(self.catch_up_tokens, request.num_tokens - start)
                     self.catch_up_total += request.num_tokens - start
                 else:
-                    chunks.append(SeqChunk(drafted[i][-1:], request.num_tokens + step - 1, request.block_ids, 1))
+                    chunks.append(SeqChunk(drafted[i][-1:], request.num_tokens + step - 1, request.block_ids, 1,
+                                           long_rope=request.rope_long))
             rows = [SamplingRow(active[i], list(drafted[i])) for i in live]
             step_noise = [None if noise[i] is None else noise[i][step] for i in live]
             tokens, dists = self._pick(self.runner.forward(chunks), rows, step_noise)
