@@ -29,16 +29,15 @@ So a row's quants for column j and j + 16 sit in one byte (the kernels widen 8 b
 lanes), the high bits of a row in one 32-bit lane, and every 32-column block carries its scales:
 the same bytes as the file's (the K-quants' 12 packed scale bytes become 16), so a kept tensor holds
 1.00-1.03x its GGUF size plus at most 7 zero rows (d = 0: w = 0). The C++ side reads this layout
-(csrc/quantized_tiles.h); this module is plain torch and needs no native build.
+(csrc/quantized_tiles.h); this module is plain torch (kernels/ imports torch and triton only) and needs no
+native build.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from gguf.quants import Q4_K
 
 TILE_ROWS = 8  # output rows per tile: one 8-float vector in the kernel
 BLOCK = 32  # columns per quants plane
@@ -119,8 +118,7 @@ def decode_blocks(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, Fi
         q = nibbles_q4(b[..., at + 4 :]) | high_bits(b[..., at : at + 4], 32) << 4
         return q.reshape(rows, -1), legacy_fields
     if name in ("Q4_K", "Q5_K"):
-        packed_scales = b[..., 4:16].reshape(-1, 12).numpy()  # 6-bit sc[8] and mn[8]: gguf's own unpacking
-        sc, mn = (torch.from_numpy(np.ascontiguousarray(a)) for a in Q4_K.get_scale_min(packed_scales))
+        sc, mn = _k_scales(b[..., 4:16])
         fields = {"d": field(0, 1, 2), "dmin": field(2, 1, 2),
                   "sc": sc.reshape(rows, units, 8, 1), "mn": mn.reshape(rows, units, 8, 1)}
         qs = b[..., -128:].reshape(rows, units, 4, 1, 32)  # chunk of 64 weights: low nibbles, then high
@@ -137,6 +135,16 @@ def decode_blocks(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, Fi
         q = low | (high.reshape(rows, units, 256) << 4)
         return q.reshape(rows, -1), {"d": field(208, 1, 2), "sc": field(192, 16, 1)}
     raise ValueError(f"no decoder for {name}")
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., 12] -> 2 x [..., 8] uint8
+    """Q4_K/Q5_K's 6-bit sub-block scales and mins, as gguf.quants' Q4_K.get_scale_min unpacks
+    them: bytes 0-3 hold sc[0..3] (low 6 bits), 4-7 mn[0..3]; bytes 8-11 the low 4 bits of sc[4..7]
+    and mn[4..7], whose top 2 bits sit in the top bits of bytes 0-3 and 4-7."""
+    d, m, m_d = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
 
 
 def pack_tiles(q: torch.Tensor, fields: Fields, fmt: BlockFormat) -> torch.Tensor:
