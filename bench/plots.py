@@ -258,8 +258,9 @@ def plot_linear_cpu(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "linear_cpu.png")]
 
 
-def plot_quantized(data: dict, out_dir: Path) -> list[Path]:
-    """Output tokens/s per system and batch (left) and resident weight MB per system (right)."""
+def plot_quantized(data: dict, out_dir: Path, suite: str = "quantized") -> list[Path]:
+    """Output tokens/s per system and batch (left) and resident weight MB per system (right); one
+    figure per file type and kernel (`suite`: quantized, quantized_q4_k_m, quantized_q4_k_m_avx2, ...)."""
     results = data.get("results") or {}
     if not results:
         return []
@@ -275,11 +276,12 @@ def plot_quantized(data: dict, out_dir: Path) -> list[Path]:
     ax.set_xticks(range(len(workloads)), [w.replace("batch", "batch ") for w in workloads])
     ax.set_ylabel("output tokens/s (greedy)")
     ax.legend()
-    ax.set_title(f"{_get_model(data)}: tokens/s")
+    kernel = " (AVX2 kernels)" if str(data.get("kernel", "")).startswith("float32") else ""
+    ax.set_title(f"{_get_model(data)}{kernel}: tokens/s")
     mem.bar_label(mem.bar(systems, [results[s].get("weight_mb", 0) for s in systems], color="tab:gray"), fmt="%.0f")
     mem.set_ylabel("resident weights (MB)")
     mem.set_title("weights in memory")
-    return [_save(fig, out_dir / "quantized.png")]
+    return [_save(fig, out_dir / f"{suite}.png")]
 
 
 def plot_structured(data: dict, out_dir: Path) -> list[Path]:
@@ -351,7 +353,7 @@ def plot_factors(suite: str, rows, out_dir: Path) -> list[Path]:
 
 def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     """Every figure the given suite results (name -> JSON) support; returns the files written."""
-    from bench.report import rows_for
+    from bench.report import QUANTIZED_SUITES, rows_for
 
     drawers = {
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
@@ -360,6 +362,9 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     }
     paths = []
     for suite, data in results.items():
+        if suite in QUANTIZED_SUITES:
+            paths += plot_quantized(data, out_dir, suite)
+            continue
         drawer = drawers.get(suite)
         paths += drawer(data, out_dir) if drawer else plot_factors(suite, rows_for(suite, data), out_dir)
     return paths
