@@ -204,20 +204,19 @@ def quantized_rows(data: dict) -> list[Row]:
     big = f"batch{_get(data, 'settings', 'batch')}"
     model = str(_get(data, "settings", "model") or "")
     kind = model.removesuffix(".gguf").rsplit(".", 1)[-1] if model.count(".") >= 2 else "Q4_1"
-    if str(data.get("kernel", "")).startswith("float32"):
-        kind += ", AVX2 kernels"
+    kind += " GGUF" + (" (AVX2 kernels)" if str(data.get("kernel", "")).startswith("float32") else "")
     gguf, fp32 = results.get("ferry-gguf", {}), results.get("ferry-fp32", {})
     llama = _get(results, "llama.cpp", "batch1", "tokens_per_s")
     rows = [
-        Row("quantized", f"output tok/s, {kind} GGUF, batch 1", _get(gguf, "batch1", "tokens_per_s"), llama,
+        Row("quantized", f"output tok/s, {kind}, batch 1", _get(gguf, "batch1", "tokens_per_s"), llama,
             "llama.cpp, one request", True),
-        Row("quantized", f"output tok/s, {kind} GGUF, {big.replace('batch', 'batch ')}",
+        Row("quantized", f"output tok/s, {kind}, {big.replace('batch', 'batch ')}",
             _get(gguf, big, "tokens_per_s"), llama, "llama.cpp, one request at a time", True),
-        Row("quantized", f"output tok/s, {kind} GGUF kept quantized, batch 1", _get(gguf, "batch1", "tokens_per_s"),
+        Row("quantized", f"output tok/s, {kind} kept quantized, batch 1", _get(gguf, "batch1", "tokens_per_s"),
             _get(fp32, "batch1", "tokens_per_s"), "Ferry float32 (dequantized)", True),
-        Row("quantized", f"output tok/s, {kind} GGUF kept quantized, {big.replace('batch', 'batch ')}",
+        Row("quantized", f"output tok/s, {kind} kept quantized, {big.replace('batch', 'batch ')}",
             _get(gguf, big, "tokens_per_s"), _get(fp32, big, "tokens_per_s"), "Ferry float32 (dequantized)", True),
-        Row("quantized", f"resident weights (MB), {kind} GGUF", gguf.get("weight_mb"), fp32.get("weight_mb"),
+        Row("quantized", f"resident weights (MB), {kind}", gguf.get("weight_mb"), fp32.get("weight_mb"),
             "Ferry float32 (dequantized)", False),
     ]
     return [r for r in rows if r.ferry is not None and r.baseline is not None]
