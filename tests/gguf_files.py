@@ -11,6 +11,7 @@ own rather than the HF model's, which is all a loader test needs.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,14 @@ def _write_hyperparameters(writer: GGUFWriter, config) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter writes it: factors as tensors
+        original = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

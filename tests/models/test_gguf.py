@@ -30,6 +30,8 @@ from ferry.worker.models.gguf import GGUFError
 from ferry.worker.models.gguf_cache import converted_checkpoint, gguf_cache_key
 from ferry.worker.models.loader import ModelNotFoundError, parse_dtype, resolve_model_path, weight_files
 from ferry.worker.snapshots import fingerprint
+from tests.engine.test_hf_parity import LONGROPE, LONGROPE_LENGTHS, _reference
+from tests.engine.test_hf_parity import NEW_TOKENS as REFERENCE_TOKENS
 from tests.gguf_files import gguf_name, llama_cpp_permute, write_gguf
 from tests.tiny_models import CORPUS
 
@@ -47,6 +49,8 @@ MODELS = {
     "qwen3": ("qwen3", {"head_dim": 128, "tie_word_embeddings": True}),
     "llama-wide": ("llama", {"hidden_size": 256}),  # rows of 256: the K-quants' block
     "phi3": ("phi3", {}),  # fused attn_qkv and ffn_up (gate then up)
+    # Phi-3.5's LongRoPE: the factors as rope_factors_long/short tensors, the switch at 24 positions
+    "phi3-longrope": ("phi3", {"rope_parameters": LONGROPE, **LONGROPE_LENGTHS}),
 }
 PARITY_CASES = [
     ("llama", "F32"),
@@ -214,6 +218,22 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_file, shared_cac
     prompts = [torch.randint(3, llm.engine.arch.vocab_size, (n,), generator=g).tolist() for n in (1, 17, 40)]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == reference_greedy(transformers_gguf_model(path), prompts)
+
+
+def test_a_longrope_phi3_gguf_decodes_as_transformers_on_its_checkpoint(gguf_file, shared_cache, tiny_model_factory):
+    """The factors come from the file's rope_factors tensors and its original context length:
+    the same tokens as transformers on the HF checkpoint the file was written from, for a prompt
+    that crosses the switch while generating and one that starts past it."""
+    path = gguf_file("phi3-longrope", "F32")
+    llm = LLM(str(path), model_cache_dir=str(shared_cache), quantization="none", kv_cache_bytes=8 << 20)
+    rope = llm.engine.arch.rope
+    assert (rope.kind, rope.original_max_positions) == ("longrope", 24)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, llm.engine.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
+    params = SamplingParams(max_tokens=REFERENCE_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    arch, kwargs = MODELS["phi3-longrope"]
+    assert [o.token_ids for o in outputs] == _reference(tiny_model_factory(arch, **kwargs), prompts)
 
 
 # --- the cache -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,13 +266,34 @@ def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], 
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if arch == "phi3":
-        if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
-            raise UnsupportedModelError(
-                f"{path}: rope type 'longrope' (rope_factors_long/short tensors) is not read from GGUF files yet; "
-                "serve the model's safetensors checkpoint"
-            )
         kwargs["sliding_window"] = meta("attention.sliding_window", None)
+        if _LONGROPE_TENSORS & names:  # Phi-3.5 / Phi-3-128k: llama.cpp keeps the factors as tensors
+            kwargs["rope_parameters"] = _longrope_parameters(reader, path, meta, kwargs["rope_parameters"])
+            kwargs["original_max_position_embeddings"] = kwargs["rope_parameters"]["original_max_position_embeddings"]
     return family.config_class(**kwargs)
+
+
+_LONGROPE_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def _longrope_parameters(reader: GGUFReader, path: Path, meta, rope: dict) -> dict:
+    """transformers' longrope parameters from a Phi-3 GGUF: the two factor tensors (head_dim / 2
+    each) and the original context length. The attention factor is left to transformers' default
+    (from the two context lengths, which is what llama.cpp's converter stores) unless the file's
+    differs from it."""
+    factors = {t.name: [float(v) for v in np.asarray(t.data, dtype=np.float32)] for t in reader.tensors
+               if t.name in _LONGROPE_TENSORS}
+    if len(factors) != 2:
+        raise GGUFError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short tensors")
+    original = meta("rope.scaling.original_context_length")
+    params = {"rope_type": "longrope", "rope_theta": rope["rope_theta"], "original_max_position_embeddings": original,
+              "long_factor": factors["rope_factors_long.weight"], "short_factor": factors["rope_factors_short.weight"]}
+    scale = meta("context_length") / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    stored = meta("rope.scaling.attn_factor", None)
+    if stored is not None and abs(stored - default) > 1e-6 * default:
+        params["attention_factor"] = stored
+    return params
 
 
 def _padding_id(reader: GGUFReader, path: Path, vocab_size: int) -> int | None:
@@ -314,6 +336,8 @@ def _map_tensors(reader: GGUFReader, family: _Family, config) -> tuple[list[GGUF
             layer, key, kind = match.groups()
             name = f"model.layers.{layer}.{family.layer_names.get(key) or _LAYER_NAMES[key]}.{kind}"
             heads = permuted.get(key) if family.permuted_qk else None
+        elif t.name in _LONGROPE_TENSORS and family.config_class is Phi3Config:
+            continue  # read into the config's rope parameters
         else:
             unknown.append(t.name)
             continue
