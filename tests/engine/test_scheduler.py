@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ferry.worker.engine.kv_cache import KVCacheManager
 from ferry.worker.engine.request import RequestStatus
-from ferry.worker.engine.scheduler import Scheduler
+from ferry.worker.engine.scheduler import Scheduler, SchedulerOutput
 from tests.engine.helpers import make_request
 
 
@@ -259,3 +259,38 @@ def test_without_background_requests_a_prefill_steps_with_every_decode():
     sched.add(make_request("live", 4, priority=0))
     assert not sched.next_step_is_full()  # no one steps aside: arrivals may still join the step
     assert _plan(sched.schedule()) == [("batch", 1), ("live", 4)]
+
+
+def _long_rope_request(rid: str, prompt_len: int):
+    request = make_request(rid, prompt_len)
+    request.long_rope_after, request.long_rope_cache_extra = 6, b"long"
+    return request
+
+
+def test_a_longrope_sequence_is_recomputed_once_when_it_grows_past_the_switch():
+    """Switch at 6 tokens: prefill 5, decode the 6th (still short), then the 7th token makes the
+    sequence long: its KV is freed and the whole sequence is scheduled again, with the long
+    namespace, in the same step; afterwards it decodes as usual."""
+    sched = _scheduler(caching=True)
+    a = _long_rope_request("a", 5)
+    sched.add(a)
+    plans = []
+    for _ in range(4):
+        out = sched.schedule()
+        plans.append(_plan(out))
+        _advance(sched, out)
+    assert plans == [[("a", 5)], [("a", 1)], [("a", 7)], [("a", 1)]]
+    assert a.rope_long and a.cache_extra == b"long" and sched.num_preemptions == 0
+
+
+def test_a_longrope_sequence_preempted_at_the_switch_is_readmitted_long():
+    """Preempted (holding no KV) just as it grew past the switch: it is long when admitted again,
+    never recomputed short first."""
+    sched = _scheduler()
+    a = _long_rope_request("a", 6)
+    sched.add(a)
+    _advance(sched, sched.schedule())  # 6 prompt tokens, one sampled: 7 > 6
+    sched._preempt(a, SchedulerOutput([], []))  # a higher-priority request took its blocks
+    assert a.status is RequestStatus.WAITING and not a.rope_long
+    out = sched.schedule()
+    assert _plan(out) == [("a", 7)] and a.rope_long and a.cache_extra == b"long"

@@ -165,6 +165,8 @@ class Scheduler:
             if request.awaiting_grammar or (stands_aside and request.background):  # admitted in a later step
                 index += 1
                 continue
+            if request.crossed_long_rope_switch:  # preempted just as it grew past the switch: holds no KV
+                self._go_long_rope(request)
             prefix = self.kv.lookup_prefix(request)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if self.kv.allocate(request, num_new, prefix, reserve=self.watermark_blocks) is None:
@@ -245,9 +247,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec.clear()
         request.spec.num_draft_computed = 0
+        self._go_long_rope(request)
+        self._enqueue(request)
+
+    @staticmethod
+    def _go_long_rope(request: Request) -> None:
+        """From now on the request's KV is rotated with the long factors, in their own namespace."""
         request.rope_long, request.cache_extra = True, request.long_rope_cache_extra
         request.block_keys.clear()
-        self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
         keys = [r.sort_key() for r in self.waiting]

@@ -110,8 +110,9 @@ class ModelArch:
 
 
 # Variants whose frequencies depend on the length of the sequence being run in ways a paged cache
-# cannot follow: dynamic NTK rescales every key's rotation as the sequence grows. (LongRoPE's
-# switch from short to long factors is per token: see rope_table_rows.)
+# cannot follow: dynamic NTK rescales every key's rotation as the sequence grows. (LongRoPE switches
+# once, from its short to its long factors: the scheduler recomputes the sequence there, see
+# rope_table_rows.)
 _LENGTH_DEPENDENT_ROPE = ("dynamic",)
 
 
