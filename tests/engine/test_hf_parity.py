@@ -186,12 +186,32 @@ def test_a_longrope_prompt_past_the_switch_is_rotated_long_from_its_first_token(
         assert scored[position][token].logprob == pytest.approx(expected[position - 1, token].item(), abs=2e-4)
 
 
-def test_partial_rotary_is_refused_by_name_whatever_the_rope_type(tiny_model_factory):
-    """Phi-3.5/Phi-4-mini rotate only part of each head; Ferry's kernels rotate whole heads, so such a
-    checkpoint is refused before any weight loads (also with the default rope, where it used to pass)."""
+PARTIAL_ROTARY = {
+    # Phi-3 shapes with half of each 16-dim head rotated
+    "default": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    # Phi-4-mini's kind: LongRoPE over 12 of 16 dims (6 factors each), with the switch at 24
+    "longrope": {**LONGROPE, "partial_rotary_factor": 0.75, "short_factor": LONGROPE["short_factor"][:6],
+                 "long_factor": LONGROPE["long_factor"][:6]},
+}
+
+
+@pytest.mark.parametrize("rope", list(PARTIAL_ROTARY))
+def test_partial_rotary_matches_transformers(tiny_model_factory, rope):
+    """transformers rotates the first dims of each head and passes the rest; Ferry's kernels rotate
+    whole heads, so the loader reorders q/k dims and the table leaves the passed ones unrotated."""
+    model_dir = tiny_model_factory("phi3", rope_parameters=PARTIAL_ROTARY[rope], **LONGROPE_LENGTHS)
+    llm = LLM(str(model_dir), max_num_batched_tokens=8, block_size=4)
+    assert llm.engine.arch.rope.rotary_dim == (8 if rope == "default" else 12)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, llm.engine.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+
+
+def test_a_partial_rotary_of_an_odd_number_of_dims_is_refused_by_name(tiny_model_factory):
     model_dir = tiny_model_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                            "partial_rotary_factor": 0.75})
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
+                                                            "partial_rotary_factor": 0.5625})  # 9 of 16 dims
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5625 rotates 9 of 16"):
         LLM(str(model_dir))
 
 

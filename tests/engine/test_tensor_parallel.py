@@ -15,7 +15,7 @@ from ferry.worker.engine import LLM, EngineConfig, RankFailedError, SamplingPara
 from ferry.worker.models.config import ModelArch
 from ferry.worker.models.loader import checkpoint_tensors, load_model
 from ferry.worker.models.sharding import Shard
-from tests.engine.test_hf_parity import LONGROPE, _reference
+from tests.engine.test_hf_parity import LONGROPE, PARTIAL_ROTARY, _reference
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -32,6 +32,9 @@ CASES = {
     # LongRoPE: the 37+-token prompts are past the switch at 24, the others stay short
     "phi3-longrope": ("phi3", {"num_heads": 4, "num_kv_heads": 2, "rope_parameters": LONGROPE,
                                "max_position_embeddings": 160, "original_max_position_embeddings": 24}),
+    # Phi-4-mini's kind: LongRoPE over 12 of each head's 16 dims, q/k dims reordered on each rank
+    "phi3-partial-rotary": ("phi3", {"num_heads": 4, "num_kv_heads": 2, "rope_parameters": PARTIAL_ROTARY["longrope"],
+                                     "max_position_embeddings": 160, "original_max_position_embeddings": 24}),
 }
 
 

@@ -8,7 +8,7 @@ transformers' own rope init functions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -38,6 +38,10 @@ class RopeConfig:
     # is longer than `original_max_positions` (see rope_table_rows); inv_freq holds the short ones.
     long_inv_freq: tuple[float, ...] | None = None
     original_max_positions: int = 0
+    # Partial rotary (partial_rotary_factor < 1, Phi-4-mini): how many leading dims of each head
+    # transformers rotates (0: all). Ferry's kernels rotate whole heads, so the loader reorders each
+    # q/k head (partial_rotary_order) and the table rotates the other dims by exactly nothing.
+    rotary_dim: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +121,22 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic",)
 
 
 def _rope_config(cfg) -> RopeConfig:
+    rope = _rope_frequencies(cfg)
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial is None or float(partial) == 1.0:
+        return rope
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rotary_dim = int(head_dim * float(partial))
+    if not 0 < rotary_dim < head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {partial} rotates {rotary_dim} of {head_dim} dims per head; Ferry needs an "
+            "even number between 0 and the head size"
+        )
+    return replace(rope, rotary_dim=rotary_dim)
+
+
+def _rope_frequencies(cfg) -> RopeConfig:
     # transformers 5 keeps everything in `rope_parameters`; older configs use rope_theta + rope_scaling.
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     scaling = getattr(cfg, "rope_scaling", None) or {}
@@ -124,12 +144,6 @@ def _rope_config(cfg) -> RopeConfig:
         params.setdefault(key, value)
     theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModelError(
-            f"partial rotary embeddings (partial_rotary_factor {partial}) are not implemented: "
-            "Ferry rotates whole heads"
-        )
     if kind == "default":
         return RopeConfig(theta=theta, kind="default")
     if kind in _LENGTH_DEPENDENT_ROPE or kind not in ROPE_INIT_FUNCTIONS:
@@ -148,21 +162,45 @@ def _rope_config(cfg) -> RopeConfig:
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies: a variant's from transformers, else theta's."""
+    """[rotary dims / 2] float32 inverse frequencies: a variant's from transformers, else theta's
+    (over the rotated dims only, as transformers computes them for partial rotary)."""
     if rope.inv_freq is not None:
         return torch.tensor(rope.inv_freq, dtype=torch.float32)
-    return 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    dim = rope.rotary_dim or head_dim
+    return 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of position * inv_freq in the first half, sin in the second,
     both times the variant's attention scaling (as transformers scales them). LongRoPE: [2 *
-    max_positions, head_dim], the short factors' rows, then the long factors'."""
+    max_positions, head_dim], the short factors' rows, then the long factors'. Partial rotary: the
+    pairs past the rotated ones get cos 1 and sin 0, unscaled, which leaves those dims as they are."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     tables = [torch.outer(positions, rope_inv_freq(rope, head_dim))]
     if rope.long_inv_freq is not None:
         tables.append(torch.outer(positions, torch.tensor(rope.long_inv_freq, dtype=torch.float32)))
-    return torch.cat([torch.cat((f.cos(), f.sin()), dim=-1) for f in tables]) * rope.attention_scaling
+    rows = []
+    for freqs in tables:
+        cos, sin = freqs.cos() * rope.attention_scaling, freqs.sin() * rope.attention_scaling
+        still = head_dim // 2 - freqs.shape[1]  # pairs that do not rotate
+        if still:
+            cos = torch.cat([cos, torch.ones(max_positions, still)], dim=1)
+            sin = torch.cat([sin, torch.zeros(max_positions, still)], dim=1)
+        rows.append(torch.cat((cos, sin), dim=-1))
+    return torch.cat(rows)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """[head_dim] int64: the order Ferry holds a q/k head's dims in under partial rotary (new dim ->
+    checkpoint dim). transformers rotates dims (i, i + rotary_dim / 2) for i < rotary_dim / 2 and
+    passes the rest; the kernels rotate (j, j + head_dim / 2). So the rotated pairs go first in
+    each half and the passed dims fill the rest, where the table's cos 1 / sin 0 keeps them. q
+    and k reordered alike leave every q.k product, so attention, exactly as it was."""
+    half, rot_half, still_half = head_dim // 2, rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = [*range(rot_half), *range(rotary_dim, rotary_dim + still_half)]
+    second = [*range(rot_half, rotary_dim), *range(rotary_dim + still_half, head_dim)]
+    assert len(first) == len(second) == half
+    return torch.tensor(first + second)
 
 
 def rope_table_rows(rope: RopeConfig, start: int, end: int, long: bool, max_positions: int) -> range:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ferry.kernels.ops import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from ferry.worker.models.bundled import bundled_model_file
-from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
+from ferry.worker.models.config import ModelArch, partial_rotary_order, rope_cos_sin_cache
 from ferry.worker.models.errors import ModelNotFoundError, ModelSourceError
 from ferry.worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from ferry.worker.models.gguf_cache import converted_checkpoint
@@ -260,11 +260,33 @@ def load_model(
     missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    if arch.rope.rotary_dim:
+        _reorder_for_partial_rotary(model, local)
     if quantization.method == "int8":
         model.keep_quantized(int8_weights(model))
     model.pack_weights()
     model.eval()
     return model
+
+
+@torch.no_grad()
+def _reorder_for_partial_rotary(model: LlamaModel, local: ModelArch) -> None:
+    """Each q and k head's dims in the order the whole-head rotary kernels need under partial
+    rotary (config.partial_rotary_order): rows of q/k weights and biases, and q/k norm weights."""
+    d = local.head_dim
+    order = partial_rotary_order(d, local.rope.rotary_dim)
+    q_rows = local.num_heads * d
+    for layer in model.layers:
+        attn = layer.self_attn
+        for tensor in (attn.qkv_proj.weight, attn.qkv_proj.bias):
+            if tensor is None:
+                continue
+            for start, heads in ((0, local.num_heads), (q_rows, local.num_kv_heads)):
+                block = tensor.data[start : start + heads * d]  # [heads * d, ...] of one projection
+                block.copy_(block.reshape(heads, d, *block.shape[1:])[:, order].reshape(block.shape))
+        for norm in (attn.q_norm, attn.k_norm):
+            if norm is not None:
+                norm.data.copy_(norm.data[order])
 
 
 def checkpoint_tensors(
