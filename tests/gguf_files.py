@@ -133,8 +133,8 @@ def _write_hyperparameters(writer: GGUFWriter, config) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(head_dim)
     rope = config.rope_parameters
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter writes it: factors as tensors
         original = rope["original_max_position_embeddings"]
         scale = config.max_position_embeddings / original

@@ -30,7 +30,7 @@ from ferry.worker.models.gguf import GGUFError
 from ferry.worker.models.gguf_cache import converted_checkpoint, gguf_cache_key
 from ferry.worker.models.loader import ModelNotFoundError, parse_dtype, resolve_model_path, weight_files
 from ferry.worker.snapshots import fingerprint
-from tests.engine.test_hf_parity import LONGROPE, LONGROPE_LENGTHS, _reference
+from tests.engine.test_hf_parity import LONGROPE, LONGROPE_LENGTHS, PARTIAL_ROTARY, _reference
 from tests.engine.test_hf_parity import NEW_TOKENS as REFERENCE_TOKENS
 from tests.gguf_files import gguf_name, llama_cpp_permute, write_gguf
 from tests.tiny_models import CORPUS
@@ -51,6 +51,8 @@ MODELS = {
     "phi3": ("phi3", {}),  # fused attn_qkv and ffn_up (gate then up)
     # Phi-3.5's LongRoPE: the factors as rope_factors_long/short tensors, the switch at 24 positions
     "phi3-longrope": ("phi3", {"rope_parameters": LONGROPE, **LONGROPE_LENGTHS}),
+    # Phi-4-mini's kind: phi3.rope.dimension_count 12 of 16 (partial rotary) with LongRoPE
+    "phi3-partial": ("phi3", {"rope_parameters": PARTIAL_ROTARY["longrope"], **LONGROPE_LENGTHS}),
 }
 PARITY_CASES = [
     ("llama", "F32"),
@@ -220,20 +222,30 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_file, shared_cac
     assert [o.token_ids for o in outputs] == reference_greedy(transformers_gguf_model(path), prompts)
 
 
-def test_a_longrope_phi3_gguf_decodes_as_transformers_on_its_checkpoint(gguf_file, shared_cache, tiny_model_factory):
-    """The factors come from the file's rope_factors tensors and its original context length:
-    the same tokens as transformers on the HF checkpoint the file was written from, for a prompt
-    that crosses the switch while generating and one that starts past it."""
-    path = gguf_file("phi3-longrope", "F32")
-    llm = LLM(str(path), model_cache_dir=str(shared_cache), quantization="none", kv_cache_bytes=8 << 20)
-    rope = llm.engine.arch.rope
-    assert (rope.kind, rope.original_max_positions) == ("longrope", 24)
-    g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(3, llm.engine.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 30)]
+@pytest.mark.parametrize("case", ["phi3-longrope", "phi3-partial"])
+def test_a_longrope_phi3_gguf_decodes_as_transformers_on_its_checkpoint(gguf_file, shared_cache, tiny_model_factory,
+                                                                        case):
+    """The factors come from the file's rope_factors tensors and its original context length (and
+    the rotated dims from phi3.rope.dimension_count): the same tokens as transformers on the HF
+    checkpoint the file was written from, for a prompt that crosses the switch while generating
+    and one that starts past it; kept quantized (Q8_0, q/k rows reordered in their blocks for
+    partial rotary), the same tokens as the file dequantized."""
     params = SamplingParams(max_tokens=REFERENCE_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    arch, kwargs = MODELS["phi3-longrope"]
-    assert [o.token_ids for o in outputs] == _reference(tiny_model_factory(arch, **kwargs), prompts)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 30)]
+    llm = LLM(str(gguf_file(case, "F32")), model_cache_dir=str(shared_cache), quantization="none",
+              kv_cache_bytes=8 << 20)
+    rope = llm.engine.arch.rope
+    assert (rope.kind, rope.original_max_positions, rope.rotary_dim) == ("longrope", 24, 12 if "partial" in case else 0)
+    arch, kwargs = MODELS[case]
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == _reference(
+        tiny_model_factory(arch, **kwargs), prompts)
+    q8 = gguf_file(case, "Q8_0")
+    kept = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="gguf", kv_cache_bytes=8 << 20)
+    plain = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="none", kv_cache_bytes=8 << 20)
+    assert kept.engine.runner.model.layers[0].self_attn.qkv_proj.weight.qtype == "Q8_0"
+    assert [o.token_ids for o in kept.generate(prompts, params, use_tqdm=False)] == [
+        o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
 
 
 # --- the cache -------------------------------------------------------------------------------

@@ -236,10 +236,12 @@ def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], 
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
-    for key in ("attention.value_length", "rope.dimension_count"):
-        if meta(key, head_dim) != head_dim:
+    rotary_dim = meta("rope.dimension_count", head_dim)
+    for key, value in (("attention.value_length", meta("attention.value_length", head_dim)),
+                       ("rope.dimension_count", head_dim if arch == "phi3" else rotary_dim)):
+        if value != head_dim:  # Phi-3's partial rotary (Phi-4-mini) is served: config.partial_rotary_order
             raise UnsupportedModelError(
-                f"{path}: {arch}.{key} = {meta(key)} differs from the head size {head_dim}; "
+                f"{path}: {arch}.{key} = {value} differs from the head size {head_dim}; "
                 "Ferry rotates and attends over whole heads"
             )
     eos = _metadata(reader, path, "tokenizer.ggml.eos_token_id", None)
@@ -270,6 +272,8 @@ def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], 
         if _LONGROPE_TENSORS & names:  # Phi-3.5 / Phi-3-128k: llama.cpp keeps the factors as tensors
             kwargs["rope_parameters"] = _longrope_parameters(reader, path, meta, kwargs["rope_parameters"])
             kwargs["original_max_position_embeddings"] = kwargs["rope_parameters"]["original_max_position_embeddings"]
+        if rotary_dim != head_dim:
+            kwargs["rope_parameters"] = {**kwargs["rope_parameters"], "partial_rotary_factor": rotary_dim / head_dim}
     return family.config_class(**kwargs)
 
 

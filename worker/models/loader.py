@@ -8,6 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -279,8 +280,8 @@ def _reorder_for_partial_rotary(model: LlamaModel, local: ModelArch) -> None:
     for layer in model.layers:
         attn = layer.self_attn
         for tensor in (attn.qkv_proj.weight, attn.qkv_proj.bias):
-            if tensor is None:
-                continue
+            if not isinstance(tensor, torch.Tensor):
+                continue  # no bias, or a GGUF's kept blocks (reordered as they were packed)
             for start, heads in ((0, local.num_heads), (q_rows, local.num_kv_heads)):
                 block = tensor.data[start : start + heads * d]  # [heads * d, ...] of one projection
                 block.copy_(block.reshape(heads, d, *block.shape[1:])[:, order].reshape(block.shape))
@@ -328,6 +329,10 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
         qtypes = {t.qtype for t in tensors}
         if not qtypes <= KEPT_TYPES:
             continue
+        if arch.rope.rotary_dim and target.endswith("self_attn.qkv_proj.weight"):
+            if len(tensors) != 1:
+                continue  # separate q/k/v parts under partial rotary: loaded dequantized (no such files yet)
+            tensors = [_reordered_qkv(tensors[0], arch)]
         if len(qtypes) == 1:
             blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
             kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
@@ -336,6 +341,17 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
                 pack_quantized_weight(raw_blocks(t), t.qtype.name, t.shape[0], t.shape[1]) for t in tensors
             ))
     return kept
+
+
+def _reordered_qkv(tensor: GGUFTensor, arch: ModelArch) -> GGUFTensor:
+    """A fused q/k/v GGUF tensor (Phi-3) with each q and k head's rows in partial_rotary_order:
+    the blocks run along a row, so reordering rows is exact."""
+    d, order = arch.head_dim, partial_rotary_order(arch.head_dim, arch.rope.rotary_dim)
+    rows = raw_blocks(tensor)  # [q + 2 kv rows, bytes per row]
+    for start, heads in ((0, arch.num_heads), (arch.num_heads * d, arch.num_kv_heads)):
+        block = rows[start : start + heads * d]
+        block.copy_(block.reshape(heads, d, -1)[:, order].reshape(block.shape))
+    return replace(tensor, data=rows.numpy(), permuted_heads=None)
 
 
 def int8_weights(model: LlamaModel) -> dict[str, QuantizedWeight]:
