@@ -8,7 +8,6 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -274,20 +273,25 @@ def load_model(
 def _reorder_for_partial_rotary(model: LlamaModel, local: ModelArch) -> None:
     """Each q and k head's dims in the order the whole-head rotary kernels need under partial
     rotary (config.partial_rotary_order): rows of q/k weights and biases, and q/k norm weights."""
-    d = local.head_dim
-    order = partial_rotary_order(d, local.rope.rotary_dim)
-    q_rows = local.num_heads * d
+    order = partial_rotary_order(local.head_dim, local.rope.rotary_dim)
     for layer in model.layers:
         attn = layer.self_attn
         for tensor in (attn.qkv_proj.weight, attn.qkv_proj.bias):
-            if not isinstance(tensor, torch.Tensor):
-                continue  # no bias, or a GGUF's kept blocks (reordered as they were packed)
-            for start, heads in ((0, local.num_heads), (q_rows, local.num_kv_heads)):
-                block = tensor.data[start : start + heads * d]  # [heads * d, ...] of one projection
-                block.copy_(block.reshape(heads, d, *block.shape[1:])[:, order].reshape(block.shape))
+            if isinstance(tensor, torch.Tensor):  # not: no bias, or a GGUF's kept blocks (reordered as packed)
+                _reorder_rotary_rows(tensor.data, local)
         for norm in (attn.q_norm, attn.k_norm):
             if norm is not None:
                 norm.data.copy_(norm.data[order])
+
+
+def _reorder_rotary_rows(rows: torch.Tensor, arch: ModelArch) -> None:
+    """In place: the q and k heads' rows of a fused q/k/v tensor ([q + 2 kv rows, ...]: float
+    weights, a bias, or a GGUF's raw blocks, whose blocks run along a row) in partial_rotary_order."""
+    d = arch.head_dim
+    order = partial_rotary_order(d, arch.rope.rotary_dim)
+    for start, heads in ((0, arch.num_heads), (arch.num_heads * d, arch.num_kv_heads)):
+        block = rows[start : start + heads * d]  # [heads * d, ...] of one projection
+        block.copy_(block.reshape(heads, d, *block.shape[1:])[:, order].reshape(block.shape))
 
 
 def checkpoint_tensors(
@@ -329,29 +333,19 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
         qtypes = {t.qtype for t in tensors}
         if not qtypes <= KEPT_TYPES:
             continue
-        if arch.rope.rotary_dim and target.endswith("self_attn.qkv_proj.weight"):
-            if len(tensors) != 1:
-                continue  # separate q/k/v parts under partial rotary: loaded dequantized (no such files yet)
-            tensors = [_reordered_qkv(tensors[0], arch)]
+        reorder = bool(arch.rope.rotary_dim) and target.endswith("self_attn.qkv_proj.weight")
+        if reorder and len(tensors) != 1:
+            continue  # separate q/k/v parts under partial rotary: loaded dequantized (no such files yet)
         if len(qtypes) == 1:
             blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
+            if reorder:  # Phi-3's fused q/k/v under partial rotary
+                _reorder_rotary_rows(blocks, arch)
             kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
         else:
             kept[target] = QuantizedParts(tuple(
                 pack_quantized_weight(raw_blocks(t), t.qtype.name, t.shape[0], t.shape[1]) for t in tensors
             ))
     return kept
-
-
-def _reordered_qkv(tensor: GGUFTensor, arch: ModelArch) -> GGUFTensor:
-    """A fused q/k/v GGUF tensor (Phi-3) with each q and k head's rows in partial_rotary_order:
-    the blocks run along a row, so reordering rows is exact."""
-    d, order = arch.head_dim, partial_rotary_order(arch.head_dim, arch.rope.rotary_dim)
-    rows = raw_blocks(tensor)  # [q + 2 kv rows, bytes per row]
-    for start, heads in ((0, arch.num_heads), (arch.num_heads * d, arch.num_kv_heads)):
-        block = rows[start : start + heads * d]
-        block.copy_(block.reshape(heads, d, -1)[:, order].reshape(block.shape))
-    return replace(tensor, data=rows.numpy(), permuted_heads=None)
 
 
 def int8_weights(model: LlamaModel) -> dict[str, QuantizedWeight]:
