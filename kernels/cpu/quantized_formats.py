@@ -62,6 +62,14 @@ class BlockFormat:
         return {8: 256, 4: 128, 5: 160, 6: 192}[self.bits]
 
     @property
+    def high_width(self) -> int:  # bits of each quant past its low nibble: 0 (4 and 8 bits), 1 or 2
+        return {5: 1, 6: 2}.get(self.bits, 0)
+
+    @property
+    def high_per_word(self) -> int:  # columns whose high bits share one u32 lane of the high plane
+        return 32 // self.high_width
+
+    @property
     def header_bytes(self) -> int:
         return TILE_ROWS * sum(count * size for _, count, size in self.header)
 
@@ -109,7 +117,7 @@ def decode_blocks(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, Fi
     name = fmt.name
     legacy_fields = {f: field(2 * i, 1, 2) for i, (f, _, _) in enumerate(fmt.header)} if fmt.columns == 32 else {}
     if name == "Q8_0":
-        return b[..., 2:].reshape(rows, -1), {"d": field(0, 1, 2)}
+        return b[..., 2:].reshape(rows, -1), legacy_fields
     if name in ("Q4_0", "Q4_1"):
         at = 2 * len(fmt.header)
         return nibbles_q4(b[..., at:]).reshape(rows, -1), legacy_fields
@@ -169,9 +177,8 @@ def pack_tiles(q: torch.Tensor, fields: Fields, fmt: BlockFormat) -> torch.Tenso
     else:
         nib = (qb[..., :16, :] & 0xF) | ((qb[..., 16:, :] & 0xF) << 4)  # [g, u, b, 16, row]
         planes_list = [nib.reshape(groups, units, fmt.blocks, -1)]
-        if fmt.bits > 4:
-            per_word = 32 if fmt.bits == 5 else 16  # columns whose high bits share one u32 lane
-            width = fmt.bits - 4
+        if fmt.high_width:
+            per_word, width = fmt.high_per_word, fmt.high_width
             high = (qb >> 4).to(torch.int64).reshape(groups, units, fmt.blocks, BLOCK // per_word, per_word, TILE_ROWS)
             shift = (torch.arange(per_word) * width).reshape(per_word, 1)
             word = (high << shift).sum(dim=4)  # [g, u, b, words per row, row]: bits never overlap, so sum = or
@@ -197,9 +204,8 @@ def unpack_tiles(tiles: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, F
     else:
         nib = planes[..., :128].reshape(groups, units, fmt.blocks, 16, TILE_ROWS)
         qb = torch.cat([nib & 0xF, nib >> 4], dim=3)  # [g, u, b, col, row]
-        if fmt.bits > 4:
-            per_word = 32 if fmt.bits == 5 else 16
-            width = fmt.bits - 4
+        if fmt.high_width:
+            per_word, width = fmt.high_per_word, fmt.high_width
             word_bytes = planes[..., 128:].reshape(groups, units, fmt.blocks, BLOCK // per_word, TILE_ROWS, 4)
             word = sum(word_bytes[..., k].to(torch.int64) << (8 * k) for k in range(4))  # [g, u, b, words, row]
             shift = (torch.arange(per_word) * width).reshape(per_word, 1)
