@@ -61,6 +61,23 @@ def variant_path(name: str, tools_python: Path, source: Path | None = None) -> P
     return target
 
 
+def bench_model(model: str | None, variant: str | None, tools_python: str) -> Path:
+    """The GGUF a benchmark runs: `model`, else the bundled SmolLM2 made into `variant` by
+    llama.cpp's quantizer (the tools environment built on first use), else the bundled file.
+    Exits with the reason when a variant is asked for and llama.cpp is not available."""
+    from bench.quantized import tools_python as find_tools_python
+    from ferry.worker.models.bundled import smollm2_gguf_path
+
+    if model:
+        return Path(model)
+    if not variant:
+        return smollm2_gguf_path()
+    python, why = find_tools_python(tools_python)
+    if python is None:
+        raise SystemExit(f"--variant needs llama.cpp's quantizer: {why}")
+    return variant_path(variant, python)
+
+
 def tensor_types(path: Path) -> Counter:
     """How many of the file's matrices hold each GGML type."""
     from gguf import GGUFReader

@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import write_result
-from bench.gguf_variants import tensor_bytes, tensor_types, variant_path
+from bench.gguf_variants import bench_model, tensor_bytes, tensor_types
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP = "llama-cpp-python==0.3.36"
@@ -154,14 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     torch.set_num_threads(args.threads)
     from ferry.worker.engine import LLM
-    from ferry.worker.models.bundled import smollm2_gguf_path
 
-    model = Path(args.model) if args.model else smollm2_gguf_path()
-    if args.variant:
-        python, why = tools_python(args.tools_python)
-        if python is None:
-            raise SystemExit(f"--variant needs llama.cpp's quantizer: {why}")
-        model = variant_path(args.variant, python)
+    model = bench_model(args.model, args.variant, args.tools_python)
     batch_prompts = [f"{i + 1}. {PROMPT}" for i in range(args.batch)]
     workloads = {"batch1": [PROMPT], f"batch{args.batch}": batch_prompts}
     kv_bytes = args.batch * (args.tokens + 64) * 30 * 2 * 3 * 64 * 4 * 5 // 4  # SmolLM2's KV, with room

@@ -20,7 +20,7 @@ import math
 import torch
 
 from bench.common import write_result
-from bench.gguf_variants import REPO
+from bench.gguf_variants import REPO, bench_model
 
 PROMPTS = [
     f"{topic} Answer in a few sentences."
@@ -70,7 +70,6 @@ def perplexity(llm, text: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     from ferry.worker.engine import LLM, SamplingParams
-    from ferry.worker.models.bundled import smollm2_gguf_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
@@ -78,15 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tools-python", default=str(REPO / ".venv-tools" / "bin" / "python"))
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    model = args.model or str(smollm2_gguf_path())
-    if args.variant:
-        from bench.gguf_variants import variant_path
-        from bench.quantized import tools_python
-
-        python, why = tools_python(args.tools_python)
-        if python is None:
-            raise SystemExit(f"--variant needs llama.cpp's quantizer: {why}")
-        model = str(variant_path(args.variant, python))
+    model = str(bench_model(args.model, args.variant, args.tools_python))
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     outputs, ppl = {}, {}
     for quantization in ("none", "gguf"):
