@@ -30,8 +30,10 @@ __all__ = [
     "backend_for",
     "decoder_stack",
     "embedding",
+    "fused_moe",
     "pinned_backend",
     "linear",
+    "pack_experts",
     "pack_linear_weight",
     "paged_attention",
     "pack_quantized_weight",
@@ -164,6 +166,33 @@ def decoder_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, 
     if backend_for(final_norm) != "cpu":
         return None
     return _cpu().decoder_stack(num_heads, num_kv_heads, head_dim, eps, scale, final_norm, layers)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """The mixture-of-experts MLP (`reference.fused_moe`): `w13` [num_experts, 2 * inter, hidden]
+    and `w2` [num_experts, hidden, inter] tensors, or what `pack_experts` made of them (which only
+    the cpu backend reads)."""
+    if not isinstance(w13, torch.Tensor):
+        return _cpu_moe().fused_moe(x, w13, w2, topk_weights, topk_ids)
+    backend = backend_for(x)
+    if backend == "triton":
+        return _triton().fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def pack_experts(weights: torch.Tensor):
+    """[num_experts, out, in] packed expert by expert for the cpu backend's product, or None
+    where that backend would not run it (as `pack_linear_weight`)."""
+    if backend_for(weights) != "cpu":
+        return None
+    return _cpu_moe().pack_experts(weights)
+
+
+@functools.cache
+def _cpu_moe():
+    from ferry.kernels.cpu import moe
+
+    return moe
 
 
 def silu_and_mul(gate_up):

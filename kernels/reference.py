@@ -10,6 +10,7 @@ with one 2-D block pointer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -255,3 +256,40 @@ def rotary_and_write_kv(
     q, k = rotary(q, k, positions, cos_sin_cache, is_neox)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+
+def expert_groups(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, token rows [n] int64, router weights [n] float32) for each expert that some token
+    chose, experts ascending: the (token, slot) pairs sorted by expert once, so each expert's
+    tokens are one slice and its product one matrix product."""
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    tokens = order // topk_ids.shape[1]
+    weights = topk_weights.reshape(-1)[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, tokens[start : start + count], weights[start : start + count]
+            start += count
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32: the router's weight for each chosen expert
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int64: the chosen experts
+) -> torch.Tensor:  # [num_tokens, hidden], x's dtype
+    """A mixture-of-experts MLP: for each token, the sum over its chosen experts of
+    weight * down(silu(gate(x)) * up(x)). Tokens are grouped by expert, so each expert that has
+    tokens runs one product per projection; experts are summed in ascending order, as
+    transformers' experts modules do (the same float32 result)."""
+    out = torch.zeros_like(x)
+    for expert, rows, weights in expert_groups(topk_weights, topk_ids, w13.shape[0]):
+        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))
+        out.index_add_(0, rows, (F.linear(hidden, w2[expert]) * weights[:, None]).to(out.dtype))
+    return out

@@ -26,23 +26,13 @@ import torch
 import triton
 import triton.language as tl
 from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.triton.dot import dot
 
 _LOG2E = 1.4426950408889634
 # Split-KV aims for this many programs per streaming multiprocessor ...
 _PROGRAMS_PER_SM = 4
 # ... but gives every split at least this many KV tiles, so the merge stays a small cost.
 _MIN_TILES_PER_SPLIT = 4
-
-
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    # FP32: float32 caches want IEEE products, not TF32; and the interpreter (triton 3.9)
-    # multiplies bfloat16 operands as their raw uint16 bits, so CPU runs take this path too.
-    if FP32:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit
@@ -83,7 +73,7 @@ def _attend_tiles(
             mask=pos_ok[None, :] & dim_ok[:, None],
             other=0.0,
         )
-        s = _dot(q, k, FP32_DOT) * scale_log2
+        s = dot(q, k, FP32_DOT) * scale_log2
         if MASKED:
             visible = pos_ok[None, :] & (pos[None, :] <= last_visible[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -102,7 +92,7 @@ def _attend_tiles(
             mask=pos_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.triton.fused_moe_kernel import _down_kernel, _gate_up_kernel
 from ferry.kernels.triton.paged_attention_kernel import _launch_config, _merge_splits_kernel, _paged_attention_kernel
 from ferry.kernels.triton.rms_norm_kernel import _rms_norm_kernel
 from ferry.kernels.triton.rotary_kernel import _rotary_kernel
@@ -107,3 +108,18 @@ def test_small_kernels_compile():
             NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64, IS_NEOX=neox
         )
         compile_for(90, _rotary_kernel, constexprs, {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}, num_warps=4)
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("block_m", [16, 64], ids=["decode", "prefill"])
+def test_fused_moe_compiles(block_m, dtype, capability):
+    """Both grouped GEMMs as `fused_moe` launches them: BLOCK_N 64, BLOCK_K and FP32_DOT by dtype."""
+    fp32 = dtype == "*fp32"
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32 if fp32 else 64, FP32_DOT=fp32)
+    pointers = {"sorted_ids_ptr": "*i64", "block_expert_ptr": "*i64", "weights_ptr": "*fp32"}
+    pointers.update(dict.fromkeys(("h_ptr", "x_ptr", "w13_ptr", "w2_ptr", "out_ptr"), dtype))
+    for kernel, extra in ((_gate_up_kernel, {"TOP_K": 8}), (_down_kernel, {})):
+        compiled = compile_for(capability, kernel, constexprs | extra, pointers, num_warps=4, num_stages=3)
+        if not fp32:
+            assert ("wgmma" in compiled.asm["ptx"]) or ("mma.sync" in compiled.asm["ptx"])  # tensor cores in use
