@@ -14,12 +14,18 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from ferry.worker.tools.demo_model import byte_level_bpe
@@ -37,6 +43,16 @@ ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),  # q/k/v and gate/up stored fused
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+}
+# The mixture-of-experts families at a tiny shape (their defaults are 8 to 128 experts of 768+ features).
+MOE_DEFAULTS = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 96, "norm_topk_prob": False},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
 }
 
 
@@ -83,6 +99,7 @@ def make_model(
     )
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
+    kwargs.update(MOE_DEFAULTS.get(arch, {}))
     kwargs.update(config_overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)

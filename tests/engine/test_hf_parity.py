@@ -18,14 +18,14 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _reference(model_dir, prompts, dtype=torch.float32) -> list[list[int]]:
+def _reference(model_dir, prompts, dtype=torch.float32, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                 eos_token_id=None, pad_token_id=0,
             )
         outputs.append(generated[0, len(prompt):].tolist())

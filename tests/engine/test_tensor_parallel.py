@@ -35,6 +35,9 @@ CASES = {
     # Phi-4-mini's kind: LongRoPE over 12 of each head's 16 dims, q/k dims reordered on each rank
     "phi3-partial-rotary": ("phi3", {"num_heads": 4, "num_kv_heads": 2, "rope_parameters": PARTIAL_ROTARY["longrope"],
                                      "max_position_embeddings": 160, "original_max_position_embeddings": 24}),
+    # every expert (and Qwen2-MoE's shared expert) cut to half its features on each rank
+    "mixtral-experts": ("mixtral", {"num_heads": 4, "num_kv_heads": 2}),
+    "qwen2_moe-shared-expert": ("qwen2_moe", {"num_heads": 4, "num_kv_heads": 2}),
 }
 
 

@@ -1,8 +1,9 @@
 """The architecture facts Ferry needs, read from a Hugging Face `config.json`.
 
-One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2, Qwen3 and Phi-3/Phi-4: they differ only in
-the flags below (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings; Phi-3's checkpoints
-store q/k/v and gate/up already fused, which is how Ferry holds them). RoPE variants come from
+One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3/Phi-4 and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE: they differ only in the flags below (q/k/v bias, q/k RMSNorm,
+rope scaling, tied embeddings, `moe`; Phi-3's checkpoints store q/k/v and gate/up already fused,
+which is how Ferry holds them). RoPE variants come from
 transformers' own rope init functions.
 """
 
@@ -19,6 +20,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
@@ -45,6 +49,25 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): each token's router picks `top_k`
+    of `num_experts` gated MLPs and sums their outputs, weighted by the router's softmax."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # the chosen experts' weights renormalised to sum to 1 (Mixtral always)
+    shared_intermediate_size: int  # Qwen2-MoE's always-on shared expert (gated by a sigmoid); 0: none
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts; the others are dense
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.top_k} must be in 1..num_experts={self.num_experts}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArch:
     architecture: str
     vocab_size: int
@@ -65,6 +88,7 @@ class ModelArch:
     sliding_window: int | None  # attention window, if the checkpoint uses one
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArch:
@@ -84,7 +108,7 @@ class ModelArch:
             raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and getattr(cfg, "qkv_bias", True))
         eos = getattr(cfg, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         sliding = getattr(cfg, "sliding_window", None)
@@ -105,12 +129,36 @@ class ModelArch:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=getattr(cfg, "bos_token_id", None),
+            moe=_moe_config(cfg, arch),
         )
+
+
+def _moe_config(cfg, arch: str) -> MoeConfig | None:
+    """Mixtral: every layer sparse, experts as wide as `intermediate_size`, weights renormalised.
+    Qwen2/3-MoE: `moe_intermediate_size` experts in every `decoder_sparse_step`-th layer except
+    `mlp_only_layers` (dense, `intermediate_size`), renormalised when `norm_topk_prob`; Qwen2-MoE
+    adds a shared expert."""
+    if arch == "MixtralForCausalLM":
+        experts, inter, norm, shared = cfg.num_local_experts, cfg.intermediate_size, True, 0
+        sparse = tuple(range(cfg.num_hidden_layers))
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+        norm = bool(getattr(cfg, "norm_topk_prob", False))
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+        sparse = tuple(i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    else:
+        return None
+    if not experts:  # transformers runs every layer dense then
+        return None
+    return MoeConfig(num_experts=int(experts), top_k=int(cfg.num_experts_per_tok), intermediate_size=int(inter),
+                     norm_topk_prob=norm, shared_intermediate_size=shared, sparse_layers=sparse)
 
 
 # Variants whose frequencies depend on the length of the sequence being run in ways a paged cache

@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""One Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, and with mixture-of-experts
+MLPs Mixtral, Qwen2-MoE, Qwen3-MoE: worker/models/moe.py) over a paged KV cache.
 
 The model sees one flat batch per step: every scheduled token of every request, one row each.
 q/k/v and gate/up are fused into single projections (fewer, larger matrix products); the
@@ -16,6 +17,7 @@ from torch import nn
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata, QuantizedParts, QuantizedWeight
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
+from ferry.worker.models.moe import Experts, SparseMoe
 from ferry.worker.models.sharding import UNSHARDED, Shard, local_arch
 
 
@@ -118,26 +120,37 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """One rank's share of the features (`arch` is the rank's local_arch): gate/up column-parallel,
-    down_proj row-parallel."""
+    down_proj row-parallel. `intermediate_size` other than the arch's: a MoE model's shared
+    expert, whose partial sums its SparseMoe all-reduces with the experts' (`reduce` False)."""
 
-    def __init__(self, arch: ModelArch, shard: Shard) -> None:
+    def __init__(
+        self, arch: ModelArch, shard: Shard, intermediate_size: int | None = None, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.shard = shard
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias and shard.rank == 0)
+        self.shard = shard if reduce else Shard(shard.rank, 1)
+        self.intermediate_size = intermediate_size or arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=arch.mlp_bias and shard.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = _linear(self.down_proj, ops.silu_and_mul(_linear(self.gate_up_proj, x)))
         return _all_reduce(hidden, self.shard)
 
 
+def _mlp(arch: ModelArch, shard: Shard, layer: int) -> MLP | SparseMoe:
+    moe = arch.moe
+    if moe is None or layer not in moe.sparse_layers:
+        return MLP(arch, shard)
+    shared = MLP(arch, shard, moe.shared_intermediate_size, reduce=False) if moe.shared_intermediate_size else None
+    return SparseMoe(arch.hidden_size, moe, shard, shared)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, shard: Shard) -> None:
+    def __init__(self, arch: ModelArch, shard: Shard, layer: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
         self.self_attn = Attention(arch, shard)
-        self.mlp = MLP(arch, shard)
+        self.mlp = _mlp(arch, shard, layer)
         self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
 
@@ -162,7 +175,7 @@ class LlamaModel(nn.Module):
         self.shard = shard
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         local = local_arch(arch, shard)
-        self.layers = nn.ModuleList(DecoderLayer(local, shard) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, shard, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         if arch.tie_word_embeddings:
             self.lm_head = None
@@ -207,6 +220,7 @@ class LlamaModel(nn.Module):
                     if packed is not None:
                         setattr(module, name, PackedLinear(packed, child.bias))
                         count += 1
+        count += sum(module.pack() for module in self.modules() if isinstance(module, Experts))
         head = self.lm_head_weight
         self.lm_head_packed = ops.pack_linear_weight(head) if isinstance(head, torch.Tensor) else None
         self.native_stack = self._build_native_stack()
@@ -216,8 +230,8 @@ class LlamaModel(nn.Module):
         """`kernels.decoder_stack` over the packed layers, or None where some projection stayed
         a plain tensor (not float32, or another backend) or the layers are sharded (the native
         stack runs every layer in one call, with no point between them for the all-reduces)."""
-        if self.shard.size > 1:
-            return None
+        if self.shard.size > 1 or not all(isinstance(layer.mlp, MLP) for layer in self.layers):
+            return None  # (the native stack's layers have dense MLPs)
         projections = [
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in self.layers

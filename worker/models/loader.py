@@ -18,11 +18,19 @@ from ferry.kernels.ops import QuantizedParts, QuantizedWeight, pack_quantized_we
 from ferry.worker.models.bundled import bundled_model_file
 from ferry.worker.models.config import ModelArch, partial_rotary_order, rope_cos_sin_cache
 from ferry.worker.models.errors import ModelNotFoundError, ModelSourceError
+from ferry.worker.models.expert_weights import ExpertPart, expert_dest, expert_slices, map_expert_name, router_name
 from ferry.worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from ferry.worker.models.gguf_cache import converted_checkpoint
 from ferry.worker.models.llama import LlamaModel
 from ferry.worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
-from ferry.worker.models.sharding import UNSHARDED, Shard, TensorParallelError, checkpoint_index, local_arch
+from ferry.worker.models.sharding import (
+    UNSHARDED,
+    Shard,
+    TensorParallelError,
+    checkpoint_index,
+    local_arch,
+    mlp_intermediate_size,
+)
 from ferry.worker.models.sources import fetch_model, parse_ref
 
 log = logging.getLogger(__name__)
@@ -152,6 +160,8 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
     "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", "gate"),
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", "up"),
 }
 _RENAMED = {
     "model.embed_tokens.weight": "embed_tokens.weight",
@@ -166,8 +176,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def map_name(name: str) -> tuple[str, str | None] | None:
-    """Map a checkpoint tensor name to (Ferry parameter name, fused part), or None to skip it."""
+def map_name(name: str) -> tuple[str, str | ExpertPart | None] | None:
+    """Map a checkpoint tensor name to (Ferry parameter name, fused part), or None to skip it.
+    An expert's tensor maps to its stacked parameter, its part an ExpertPart (expert_weights.py)."""
     if _IGNORED.search(name):
         return None
     if not name.startswith(("model.", "lm_head.")):
@@ -178,6 +189,9 @@ def map_name(name: str) -> tuple[str, str | None] | None:
     if match is None:
         return None
     layer, rest = match.groups()
+    if (expert := map_expert_name(layer, rest)) is not None:
+        return expert
+    rest = router_name(rest)
     for suffix in ("weight", "bias"):
         module = rest.removesuffix("." + suffix)
         if module != rest and module in _FUSED:
@@ -186,15 +200,19 @@ def map_name(name: str) -> tuple[str, str | None] | None:
     return f"layers.{layer}.{_RENAMED.get(rest, rest)}", None
 
 
-_FUSED_PARTS = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+_FUSED_PARTS = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up"),
+                "mlp.shared_expert.gate_up_proj": ("gate", "up")}
 
 
 def _slices(
-    arch: ModelArch, shard: Shard, target: str, part: str | None
-) -> Iterator[tuple[str | None, tuple[slice, ...]]]:
+    arch: ModelArch, shard: Shard, target: str, part: str | ExpertPart | None
+) -> Iterator[tuple[str | ExpertPart | None, tuple[slice, ...]]]:
     """(part, index into the checkpoint tensor) for each piece of it this rank reads. A tensor a
     checkpoint stores already fused (Phi-3's qkv_proj and gate_up_proj) is read part by part, so
     each rank takes its own q, k, v (gate, up) rows from it as from separate tensors."""
+    if isinstance(part, ExpertPart):
+        yield from expert_slices(arch, shard, target, part)
+        return
     module = target.split(".", 2)[-1].rsplit(".", 1)[0]  # layers.{i}.<module>.{weight,bias}
     if part is not None or module not in _FUSED_PARTS:
         index = checkpoint_index(arch, shard, target, part)
@@ -202,20 +220,21 @@ def _slices(
             yield part, index
         return
     for piece in _FUSED_PARTS[module]:
-        rows = _shard_rows(arch, piece)  # the piece's rows in the whole fused tensor
+        rows = _shard_rows(arch, piece, target)  # the piece's rows in the whole fused tensor
         local = checkpoint_index(arch, shard, target, piece) or (slice(0, rows.stop - rows.start),)
         yield piece, (slice(rows.start + local[0].start, rows.start + local[0].stop),)
 
 
-def _shard_rows(arch: ModelArch, part: str) -> slice:
-    """Rows of a fused parameter (qkv_proj, gate_up_proj) that checkpoint part `part` fills."""
+def _shard_rows(arch: ModelArch, part: str, target: str) -> slice:
+    """Rows of a fused parameter `target` (qkv_proj, a gate_up_proj) that checkpoint part `part` fills."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = mlp_intermediate_size(arch, target)
     return {
         "q": slice(0, q),
         "k": slice(q, q + kv),
         "v": slice(q + kv, q + 2 * kv),
-        "gate": slice(0, arch.intermediate_size),
-        "up": slice(arch.intermediate_size, 2 * arch.intermediate_size),
+        "gate": slice(0, inter),
+        "up": slice(inter, 2 * inter),
     }[part]
 
 
@@ -243,21 +262,23 @@ def load_model(
     model.keep_quantized(kept)
     params = dict(model.named_parameters())
     local = local_arch(arch, shard)
-    # Each parameter must be covered fully: count the rows each part fills.
+    # Each parameter must be covered fully: count the elements each part fills.
     filled: dict[str, int] = {name: 0 for name in params}
     for name, target, part, tensor in checkpoint_tensors(model_dir, arch, shard, skip=set(kept)):
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {arch.architecture} as configured")
         dest = params[target].data
-        if part is not None:
-            dest = dest[_shard_rows(local, part)]
+        if isinstance(part, ExpertPart):
+            dest = expert_dest(dest, local, part)
+        elif part is not None:
+            dest = dest[_shard_rows(local, part, target)]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} on this rank, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor.to(dtype))
-        filled[target] += tensor.shape[0]
-    missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+        filled[target] += tensor.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
     if arch.rope.rotary_dim:
@@ -324,12 +345,13 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
     parts: dict[str, dict[str | None, GGUFTensor]] = {}
     for tensor in checkpoint.tensors:
         mapped = map_name(tensor.name)
-        if mapped is not None and len(tensor.shape) == 2:
+        if mapped is not None and len(tensor.shape) == 2 and not isinstance(mapped[1], ExpertPart):
             target, part = mapped
             parts.setdefault(target, {})[part] = tensor
     kept = {}
     for target, shards in parts.items():
-        tensors = [shards[s] for s in sorted(shards, key=lambda s: 0 if s is None else _shard_rows(arch, s).start)]
+        order = sorted(shards, key=lambda s: 0 if s is None else _shard_rows(arch, s, target).start)
+        tensors = [shards[s] for s in order]
         qtypes = {t.qtype for t in tensors}
         if not qtypes <= KEPT_TYPES:
             continue

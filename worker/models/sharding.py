@@ -5,6 +5,9 @@
   multiple of Hkv) the one kv head its q heads read, r // (N / Hkv), held by N / Hkv ranks
   (replicated, as vLLM does): grouped-query attention never crosses a rank;
 - intermediate rows [r*I/N, (r+1)*I/N) of gate_proj and up_proj, the same columns of down_proj;
+  likewise for every expert of a mixture-of-experts layer (its own I) and a shared expert: each
+  rank holds all experts, each cut to its share of their features, so routing needs no
+  communication and the experts' partial sums join the layer's one all-reduce;
 - everything else whole: embeddings, LM head, RMSNorm weights (q/k norms are per head_dim).
 
 q/k/v and gate/up are column-parallel: a rank's product is its own heads' (features') output,
@@ -47,22 +50,41 @@ def check_divisible(arch: ModelArch, size: int) -> None:
         raise TensorParallelError(
             f"num_key_value_heads={arch.num_kv_heads} neither divides nor is divisible by tensor_parallel_size={size}"
         )
-    if arch.intermediate_size % size:
-        raise TensorParallelError(
-            f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel_size={size}"
-        )
+    sizes = {"intermediate_size": arch.intermediate_size}
+    if arch.moe is not None:
+        sizes["moe_intermediate_size"] = arch.moe.intermediate_size
+        sizes["shared_expert_intermediate_size"] = arch.moe.shared_intermediate_size
+    for field, value in sizes.items():
+        if value % size:
+            raise TensorParallelError(f"{field}={value} is not divisible by tensor_parallel_size={size}")
 
 
 def local_arch(arch: ModelArch, shard: Shard) -> ModelArch:
     """The shapes one rank's layers have: its heads and its share of the MLP."""
     if shard.size == 1:
         return arch
+    moe = arch.moe and replace(
+        arch.moe,
+        intermediate_size=arch.moe.intermediate_size // shard.size,
+        shared_intermediate_size=arch.moe.shared_intermediate_size // shard.size,
+    )
     return replace(
         arch,
         num_heads=arch.num_heads // shard.size,
         num_kv_heads=max(arch.num_kv_heads // shard.size, 1),
         intermediate_size=arch.intermediate_size // shard.size,
+        moe=moe,
     )
+
+
+def mlp_intermediate_size(arch: ModelArch, target: str) -> int:
+    """The feature count of the MLP that parameter `target` belongs to: an expert's, a shared
+    expert's, or the dense MLP's."""
+    if arch.moe is not None and ".mlp.experts." in target:
+        return arch.moe.intermediate_size
+    if arch.moe is not None and ".mlp.shared_expert." in target:
+        return arch.moe.shared_intermediate_size
+    return arch.intermediate_size
 
 
 def first_kv_head(arch: ModelArch, shard: Shard) -> int:
@@ -90,13 +112,14 @@ def checkpoint_index(arch: ModelArch, shard: Shard, target: str, part: str | Non
     q = slice(shard.rank * local.num_heads * d, (shard.rank + 1) * local.num_heads * d)
     kv_start = first_kv_head(arch, shard) * d
     kv = slice(kv_start, kv_start + local.num_kv_heads * d)
-    mlp = slice(shard.rank * local.intermediate_size, (shard.rank + 1) * local.intermediate_size)
+    features = mlp_intermediate_size(local, target)
+    mlp = slice(shard.rank * features, (shard.rank + 1) * features)
     if part is not None:  # column-parallel: the rank's output rows (weight and bias alike)
         return ({"q": q, "k": kv, "v": kv, "gate": mlp, "up": mlp}[part],)
-    if target.endswith(("self_attn.o_proj.bias", "mlp.down_proj.bias")):
+    if target.endswith(("self_attn.o_proj.bias", "down_proj.bias")):
         return () if shard.rank == 0 else None
     if target.endswith("self_attn.o_proj.weight"):  # row-parallel: the rank's input columns
         return (slice(None), q)
-    if target.endswith("mlp.down_proj.weight"):
+    if target.endswith(("down_proj.weight", "mlp.experts.w2")):
         return (slice(None), mlp)
     return ()
