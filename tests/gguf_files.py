@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,19 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors
     "mlp.gate_up_proj": "ffn_up",
+    # mixture of experts: the router, Qwen2-MoE's shared expert (its experts: EXPERT_PIECES)
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# One expert's matrix in a checkpoint -> the GGUF tensor that stacks it with the layer's other experts.
+EXPERT_PIECES = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                 "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 # Byte offsets of the float16 scale fields in one block of each K-quant (gguf/quants.py layouts).
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # The scale each field gets: values come out roughly within +-0.3, like the tiny models' weights.
@@ -77,8 +90,8 @@ def write_gguf(
     arrays for some HF names, stored in their numpy dtype (an F64 norm, say); `types` other types
     for some GGUF names (a mix as llama.cpp's Q4_K_M writes: {"blk.0.attn_v.weight": "Q8_0"})."""
     config = AutoConfig.from_pretrained(hf_dir)
-    arch = arch or {"mistral": "llama"}.get(config.model_type, config.model_type)
-    weights = load_file(str(hf_dir / "model.safetensors"))
+    arch = arch or {"mistral": "llama", **MOE_ARCH}.get(config.model_type, config.model_type)
+    weights = stack_experts(load_file(str(hf_dir / "model.safetensors")))
     writer = GGUFWriter(out, arch)
     writer.add_name(f"tiny {config.model_type}")
     _write_hyperparameters(writer, config)
@@ -86,7 +99,7 @@ def write_gguf(
     _write_tokenizer(writer, PreTrainedTokenizerFast.from_pretrained(hf_dir), tokenizer_model)
     rng = np.random.default_rng(seed)
     for hf_name, tensor in weights.items():
-        name = gguf_name(hf_name)
+        name = hf_name if hf_name.startswith("blk.") else gguf_name(hf_name)
         if overrides and hf_name in overrides:
             writer.add_tensor(name, overrides[hf_name])
             continue
@@ -95,6 +108,8 @@ def write_gguf(
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             data = llama_cpp_permute(data, heads)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)  # llama.cpp keeps the shared expert's gate 1-D
         if data.ndim == 1 or tensor_type == "F32":
             writer.add_tensor(name, data)
         elif tensor_type == "F16":
@@ -109,6 +124,22 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint's per-expert matrices stacked as llama.cpp stores them ([E, rows, cols] under
+    `blk.{i}.ffn_{gate,up,down}_exps.weight`), everything else as it is."""
+    out, stacks = {}, {}
+    for name, tensor in weights.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        layer, expert, piece = match.groups()
+        stacks.setdefault(f"blk.{layer}.{EXPERT_PIECES[piece]}.weight", {})[int(expert)] = tensor
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
     return out
 
 
@@ -142,6 +173,14 @@ def _write_hyperparameters(writer: GGUFWriter, config) -> None:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -32,7 +32,7 @@ from ferry.worker.models.loader import ModelNotFoundError, parse_dtype, resolve_
 from ferry.worker.snapshots import fingerprint
 from tests.engine.test_hf_parity import LONGROPE, LONGROPE_LENGTHS, PARTIAL_ROTARY, _reference
 from tests.engine.test_hf_parity import NEW_TOKENS as REFERENCE_TOKENS
-from tests.gguf_files import gguf_name, llama_cpp_permute, write_gguf
+from tests.gguf_files import gguf_name, llama_cpp_permute, stack_experts, write_gguf
 from tests.tiny_models import CORPUS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +53,11 @@ MODELS = {
     "phi3-longrope": ("phi3", {"rope_parameters": LONGROPE, **LONGROPE_LENGTHS}),
     # Phi-4-mini's kind: phi3.rope.dimension_count 12 of 16 (partial rotary) with LongRoPE
     "phi3-partial": ("phi3", {"rope_parameters": PARTIAL_ROTARY["longrope"], **LONGROPE_LENGTHS}),
+    # mixture of experts: llama.cpp stacks each layer's experts ([E, rows, cols] ffn_*_exps)
+    "mixtral": ("mixtral", {}),  # general.architecture llama, with llama.expert_count
+    # + the shared expert (ffn_*_shexp, a 1-D ffn_gate_inp_shexp); experts' rows a multiple of Q8_0's 32
+    "qwen2_moe": ("qwen2_moe", {"moe_intermediate_size": 64}),
+    "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 64}),
 }
 PARITY_CASES = [
     ("llama", "F32"),
@@ -243,6 +248,39 @@ def test_a_longrope_phi3_gguf_decodes_as_transformers_on_its_checkpoint(gguf_fil
     q8 = gguf_file(case, "Q8_0")
     kept = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="gguf", kv_cache_bytes=8 << 20)
     plain = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="none", kv_cache_bytes=8 << 20)
+    assert kept.engine.runner.model.layers[0].self_attn.qkv_proj.weight.qtype == "Q8_0"
+    assert [o.token_ids for o in kept.generate(prompts, params, use_tqdm=False)] == [
+        o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_mixture_of_experts_gguf_decodes_as_transformers_on_its_checkpoint(gguf_file, shared_cache,
+                                                                             tiny_model_factory, case):
+    """The stacked experts become one checkpoint tensor per expert under the family's names, the
+    expert counts and widths come from the metadata: an F32 file decodes as transformers on the
+    checkpoint it was written from; a Q8_0 file's experts are its blocks dequantized."""
+    arch, kwargs = MODELS[case]
+    hf_dir = tiny_model_factory(arch, **kwargs)
+    llm = LLM(str(gguf_file(case, "F32")), model_cache_dir=str(shared_cache), quantization="none", **ENGINE)
+    moe = llm.engine.arch.moe
+    assert (moe.num_experts, moe.top_k, moe.shared_intermediate_size) == (8, 2, 96 if case == "qwen2_moe" else 0)
+    assert moe.norm_topk_prob == (case != "qwen2_moe")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, llm.engine.arch.vocab_size, (n,), generator=g).tolist() for n in (1, 17, 40)]
+    params = SamplingParams(max_tokens=REFERENCE_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == _reference(hf_dir, prompts)
+    q8 = gguf_file(case, "Q8_0")
+    files = weight_files(resolve_model_path(q8, shared_cache))
+    converted = {k: v.numpy() for f in files for k, v in load_file(f).items()}
+    expected = file_tensors(q8)
+    experts = {n: v for n, v in stack_experts(converted).items() if n.startswith("blk.")}  # restacked per layer
+    assert sorted(experts) == sorted(n for n in expected if "_exps." in n)
+    for name, values in experts.items():
+        assert values.shape[0] == 8
+        np.testing.assert_array_equal(values, expected[name], err_msg=name)
+    # quantization="gguf": attention kept in its blocks, the experts (3-D in the file) dequantized
+    kept = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="gguf", **ENGINE)
+    plain = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="none", **ENGINE)
     assert kept.engine.runner.model.layers[0].self_attn.qkv_proj.weight.qtype == "Q8_0"
     assert [o.token_ids for o in kept.generate(prompts, params, use_tqdm=False)] == [
         o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

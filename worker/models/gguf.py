@@ -3,10 +3,11 @@
 `read_gguf` parses and checks a file without touching tensor data: the architecture and its
 hyper-parameters from the `general.*` / `{arch}.*` metadata, every tensor mapped to its HF name
 through one table, and each name and shape checked against what the HF config implies.
-`write_checkpoint` then writes the checkpoint: config.json (an ordinary LlamaConfig, Qwen2Config
-or Qwen3Config), generation_config.json, the tokenizer transformers builds from the file's
-metadata (chat template included), and the weights, dequantized tensor by tensor with
-`gguf.quants.dequantize`. Where and when that happens is `gguf_cache.py`'s job.
+`write_checkpoint` then writes the checkpoint: config.json (an ordinary LlamaConfig, Qwen2Config,
+Qwen3Config, Phi3Config, MixtralConfig or Qwen2/3-MoE config; experts: gguf_experts.py),
+generation_config.json, the tokenizer transformers builds from the file's metadata (chat
+template included), and the weights, dequantized tensor by tensor with `gguf.quants.dequantize`.
+Where and when that happens is `gguf_cache.py`'s job.
 
 llama.cpp's converter reorders the q and k rows of llama-arch models (Mistral files are llama
 too): within each head it interleaves the two rotary halves, for its rotate-adjacent-pairs
@@ -33,17 +34,24 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from ferry.worker.models.config import UnsupportedModelError
+from ferry.worker.models.gguf_experts import is_moe, map_expert_tensor, moe_config_kwargs, on_disk_names
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,11 @@ _FAMILIES = {
     # Phi-3: q/k/v in one tensor, and ffn_up holds gate then up (as the HF checkpoint stores them).
     "phi3": _Family(Phi3Config, Phi3ForCausalLM, permuted_qk=False,
                     layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    # mixture of experts (gguf_experts.py); a llama file with experts is Mixtral (_MIXTRAL)
+    "qwen2moe": _Family(Qwen2MoeConfig, Qwen2MoeForCausalLM, permuted_qk=False),
+    "qwen3moe": _Family(Qwen3MoeConfig, Qwen3MoeForCausalLM, permuted_qk=False),
 }
+_MIXTRAL = _Family(MixtralConfig, MixtralForCausalLM, permuted_qk=True)
 
 # GGUF tensor name -> HF name. Layer tensors are `blk.{i}.<key>.{weight,bias}` in the file and
 # `model.layers.{i}.<value>.{weight,bias}` in the checkpoint.
@@ -139,17 +151,20 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     if _metadata(reader, path, "split.count", 1) > 1:
         raise UnsupportedModelError(f"{path}: split GGUF files are not supported; merge the parts into one file first")
     _check_tensor_types(reader, path)
+    moe = is_moe(arch, lambda key, default=_REQUIRED: _metadata(reader, path, f"{arch}.{key}", default))
+    if arch == "llama" and moe:
+        family = _MIXTRAL
     names = {t.name for t in reader.tensors}
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise GGUFError(f"{path}: no token_embd.weight tensor")
-    config = _hf_config(reader, path, arch, family, names, vocab_size=int(embedding.shape[1]))
-    tensors, unknown = _map_tensors(reader, family, config)
+    config = _hf_config(reader, path, arch, family, names, vocab_size=int(embedding.shape[1]), moe=moe)
+    tensors, unknown = _map_tensors(reader, family, config, arch if moe else None)
     if unknown:
         raise UnsupportedModelError(
             f"{path}: tensors Ferry has no place for in a {arch} model: {', '.join(unknown[:8])}"
         )
-    _check_shapes(path, family, config, tensors)
+    _check_shapes(path, family, config, tensors, arch if moe else None)
     eos = [_metadata(reader, path, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
     return GGUFCheckpoint(
         path=path,
@@ -229,7 +244,9 @@ def _check_tensor_types(reader: GGUFReader, path: Path) -> None:
             ) from None
 
 
-def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], vocab_size: int) -> PretrainedConfig:
+def _hf_config(
+    reader, path: Path, arch: str, family: _Family, names: set[str], vocab_size: int, moe: bool
+) -> PretrainedConfig:
     def meta(key: str, default=_REQUIRED):
         return _metadata(reader, path, f"{arch}.{key}", default)
 
@@ -263,8 +280,12 @@ def _hf_config(reader, path: Path, arch: str, family: _Family, names: set[str], 
         pad_token_id=_padding_id(reader, path, vocab_size),  # not Phi3Config's default 32000 on a smaller vocabulary
         dtype=_auto_dtype(reader),
     )
-    if arch in ("llama", "qwen3"):  # Qwen2 always has q/k/v biases, Phi-3 none; Llama's and Qwen3's are optional
+    if arch in ("llama", "qwen3", "qwen3moe"):  # Qwen2 always has q/k/v biases, Phi-3 none
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "qwen2moe":
+        kwargs["qkv_bias"] = "blk.0.attn_q.bias" in names
+    if moe:
+        kwargs.update(moe_config_kwargs(arch, meta, path))
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if arch == "phi3":
@@ -328,12 +349,23 @@ def _auto_dtype(reader: GGUFReader) -> str:
     }.get(frozenset(types), "float32")
 
 
-def _map_tensors(reader: GGUFReader, family: _Family, config) -> tuple[list[GGUFTensor], list[str]]:
-    """The file's tensors under their HF names, and the names that have no HF counterpart."""
+def _map_tensors(
+    reader: GGUFReader, family: _Family, config, moe_arch: str | None
+) -> tuple[list[GGUFTensor], list[str]]:
+    """The file's tensors under their HF names, and the names that have no HF counterpart. A MoE
+    file's (`moe_arch`) stacked experts become one tensor per expert (gguf_experts.py)."""
     permuted = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     tensors, unknown = [], []
     for t in reader.tensors:
         match = _LAYER_TENSOR.fullmatch(t.name)
+        experts = None
+        if moe_arch is not None and match is not None:
+            def make(name, shape, data, t=t):
+                return GGUFTensor(name, t.name, shape, t.tensor_type, data, None)
+            experts = map_expert_tensor(t, moe_arch, *match.groups(), make)
+        if experts is not None:
+            tensors += experts
+            continue
         if t.name in _GLOBAL_NAMES:
             name, heads = _GLOBAL_NAMES[t.name], None
         elif match is not None and (match[2] in family.layer_names or match[2] in _LAYER_NAMES):
@@ -350,10 +382,12 @@ def _map_tensors(reader: GGUFReader, family: _Family, config) -> tuple[list[GGUF
     return tensors, unknown
 
 
-def _check_shapes(path: Path, family: _Family, config, tensors: list[GGUFTensor]) -> None:
+def _check_shapes(path: Path, family: _Family, config, tensors: list[GGUFTensor], moe_arch: str | None) -> None:
     """Every tensor the HF model of this config has, each with its shape, and no others."""
     with torch.device("meta"):
         expected = {name: tuple(p.shape) for name, p in family.model_class(config).state_dict().items()}
+    if moe_arch is not None:  # transformers holds experts stacked; the checkpoint has them one by one
+        expected = on_disk_names(expected, moe_arch)
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]  # the embedding serves as the head
     found = {t.name: t for t in tensors}
