@@ -10,12 +10,22 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -46,6 +56,12 @@ ARCHITECTURES = {
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    # no native decoder: served by the transformers fallback (worker/models/fallback.py)
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+    "granite": (GraniteConfig, GraniteForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+    "cohere": (CohereConfig, CohereForCausalLM),
+    "gemma": (GemmaConfig, GemmaForCausalLM),
 }
 # The mixture-of-experts families at a tiny shape (their defaults are 8 to 128 experts of 768+ features).
 MOE_DEFAULTS = {

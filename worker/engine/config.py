@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from ferry.worker.models.quantization import check_quantization_name
 
 SPEC_METHODS = ("ngram", "draft")
+MODEL_IMPLS = ("auto", "ferry", "transformers")
 
 
 @dataclass(slots=True)
@@ -95,6 +96,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A collective between the ranks that waits longer than this fails the step: a hung rank
     tensor_parallel_timeout_s: float = 120.0
+    # Which code runs the model (vLLM's --model-impl): "auto" = Ferry's native decoder where it
+    # implements the architecture, else the transformers fallback (worker/models/fallback.py);
+    # "ferry" = native or refuse; "transformers" = the fallback even for a native architecture
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -119,4 +124,6 @@ class EngineConfig:
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         check_quantization_name(self.quantization)
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)

@@ -33,6 +33,9 @@ def check_tensor_parallel(arch: ModelArch, size: int, device: torch.device, quan
     check_divisible(arch, size)
     if size == 1:
         return
+    if arch.implementation == "transformers":
+        raise TensorParallelError(f"{arch.architecture} runs on the transformers fallback, which is served at "
+                                  "tensor_parallel_size=1 only")
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise TensorParallelError(

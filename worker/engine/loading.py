@@ -25,7 +25,8 @@ from ferry.worker.engine.parallel.group import RankGroup
 from ferry.worker.engine.parallel.wire import RankSpec
 from ferry.worker.engine.prefix_io import KV_LAYOUT, KVLayout
 from ferry.worker.engine.spec.proposers import load_draft
-from ferry.worker.models.config import ModelArch
+from ferry.worker.models.config import ModelArch, UnsupportedModelError
+from ferry.worker.models.fallback import fallback_arch
 from ferry.worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
 from ferry.worker.models.quantization import Quantization, resolve_quantization
 from ferry.worker.models.sharding import UNSHARDED, local_arch
@@ -63,7 +64,7 @@ def load(config: EngineConfig) -> LoadedModel:
     size the KV pool and build the executor."""
     model_dir = resolve_model_path(config.model, config.model_cache_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    arch = ModelArch.from_hf_config(hf_config)
+    arch = model_arch(hf_config, config.model_impl)
     dtype = parse_dtype(config.dtype, getattr(hf_config, "dtype", None))
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     max_model_len = _max_model_len(arch, config.max_model_len)
@@ -105,7 +106,7 @@ def load(config: EngineConfig) -> LoadedModel:
         executor=executor,
         num_blocks=num_blocks,
         draft=draft,
-        model_salt=config.model_salt or _default_model_salt(model_dir, dtype, quantization.method),
+        model_salt=config.model_salt or _default_model_salt(model_dir, dtype, quantization.method, arch.implementation),
         kv_layout=KVLayout(KV_LAYOUT, block_shape, dtype, config.block_size),
     )
     log.info(
@@ -115,6 +116,29 @@ def load(config: EngineConfig) -> LoadedModel:
         num_blocks * bytes_per_block / 2**20, max_model_len,
     )
     return loaded
+
+
+def model_arch(hf_config, model_impl: str = "auto") -> ModelArch:
+    """The model's facts and which code runs it (EngineConfig.model_impl), said in one log line:
+    Ferry's native decoder, or the transformers fallback (and why native does not run it)."""
+    if model_impl == "transformers":
+        arch = fallback_arch(hf_config)
+        log.info("model implementation: transformers fallback for %s (model_impl='transformers')", arch.architecture)
+        return arch
+    try:
+        arch = ModelArch.from_hf_config(hf_config)
+    except UnsupportedModelError as native_refused:
+        if model_impl == "ferry":
+            raise
+        try:
+            arch = fallback_arch(hf_config)
+        except UnsupportedModelError as fallback_refused:
+            raise UnsupportedModelError(f"{native_refused}; {fallback_refused}") from None
+        log.info("model implementation: transformers fallback for %s (Ferry's native decoder: %s)",
+                 arch.architecture, native_refused)
+        return arch
+    log.info("model implementation: Ferry's native decoder for %s", arch.architecture)
+    return arch
 
 
 def _max_model_len(arch: ModelArch, wanted: int | None) -> int:
@@ -195,8 +219,10 @@ def _start_executor(config: EngineConfig, spec: RankSpec, device: torch.device, 
     return executor, num_blocks, bytes_per_block, draft
 
 
-def _default_model_salt(model_dir: Path, dtype: torch.dtype, quantization: str) -> str:
+def _default_model_salt(model_dir: Path, dtype: torch.dtype, quantization: str, implementation: str) -> str:
     config_text = (model_dir / "config.json").read_text()
-    # Quantized weights compute other KV; an unquantized engine keeps the salt it always had.
+    # Quantized weights (or the transformers fallback's kernels) compute other KV; a native
+    # unquantized engine keeps the salt it always had.
     held = "" if quantization == "none" else f"|{quantization}"
+    held += "|transformers" if implementation == "transformers" else ""
     return hashlib.sha256(f"{config_text}|{dtype}{held}".encode()).hexdigest()[:16]

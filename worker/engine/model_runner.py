@@ -64,7 +64,7 @@ class ModelRunner:
         )
         self._attention_workspace: dict = {}  # scratch buffers the CPU attention path reuses every step
         # LongRoPE's rotary table holds the short factors' rows, then as many of the long factors'.
-        self._rope_half = model.cos_sin.shape[0] // (2 if arch.rope.long_inv_freq is not None else 1)
+        self._rope_half = model.cos_sin.shape[0] // 2 if arch.rope.long_inv_freq is not None else 0
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:

@@ -89,6 +89,9 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # "ferry": Ferry's own decoder (worker/models/llama.py); "transformers": the model's transformers
+    # code with Ferry's paged attention (worker/models/fallback.py), for any other decoder
+    implementation: str = "ferry"
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArch:

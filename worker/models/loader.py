@@ -16,9 +16,10 @@ from tqdm import tqdm
 
 from ferry.kernels.ops import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from ferry.worker.models.bundled import bundled_model_file
-from ferry.worker.models.config import ModelArch, partial_rotary_order, rope_cos_sin_cache
+from ferry.worker.models.config import ModelArch, UnsupportedModelError, partial_rotary_order, rope_cos_sin_cache
 from ferry.worker.models.errors import ModelNotFoundError, ModelSourceError
 from ferry.worker.models.expert_weights import ExpertPart, expert_dest, expert_slices, map_expert_name, router_name
+from ferry.worker.models.fallback import load_fallback_model
 from ferry.worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from ferry.worker.models.gguf_cache import converted_checkpoint
 from ferry.worker.models.llama import LlamaModel
@@ -253,6 +254,11 @@ def load_model(
     read from the checkpoint slice by slice."""
     if shard.size > 1 and quantization.method != "none":
         raise TensorParallelError(f"quantization={quantization.method!r} is served at tensor_parallel_size=1 only")
+    if arch.implementation == "transformers":
+        if shard.size > 1 or quantization.method != "none":
+            raise UnsupportedModelError(f"{arch.architecture} runs on the transformers fallback, which serves "
+                                        "float weights at tensor_parallel_size=1 only")
+        return load_fallback_model(model_dir, arch, dtype, device)
     with torch.device("meta"):
         model = LlamaModel(arch, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
