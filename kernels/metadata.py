@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the backends import this module; their plan types are named
 class BackendPlans:
     """What each attention backend derives from one step's metadata, once for all layers."""
 
-    torch: dict[int, GatherPlan] = field(default_factory=dict)  # the reference's gather plans, by min_query_len
+    # the reference's gather plans: by min_query_len, and by (min_query_len, window) for a windowed layer
+    torch: dict[int | tuple[int, int], GatherPlan] = field(default_factory=dict)
     cpu: ShortQueryPlan | None = None  # the native backend's split into short and long query runs
     triton: TritonPlan | None = None  # the Triton kernel's work lists
     # Scratch buffers the reference reuses; the model runner passes one dict for its lifetime, so

@@ -87,13 +87,27 @@ def _triton():
     return triton_backend
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out=None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+):
+    """Causal paged attention (`reference.paged_attention` documents the contract). Per-layer
+    options, None = off: `window`, sliding-window attention (a query at position p sees
+    positions p - window < j <= p, as transformers' sliding_window); `softcap`, Gemma 2's
+    attn_logit_softcapping (scaled logits s become softcap * tanh(s / softcap))."""
     backend = backend_for(q)
     if backend == "triton":
-        return _triton().paged_attention(q, k_cache, v_cache, meta, scale, out)
+        return _triton().paged_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
     if backend == "cpu":
-        return _cpu().paged_attention(q, k_cache, v_cache, meta, scale, out)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
+        return _cpu().paged_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

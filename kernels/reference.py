@@ -10,6 +10,7 @@ with one 2-D block pointer.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,6 +58,10 @@ class _PrefillSeq:
     query_len: int
     seq_len: int
     tile_index: torch.Tensor  # [num_kv_heads * num_blocks] int64
+    # Sliding window only: the gathered tiles start at context position kv_start (a block
+    # boundary), and mask [query_len, seq_len - kv_start] says which of them each row sees.
+    kv_start: int = 0
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -71,8 +76,18 @@ def _tile_index(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (block_ids.to(torch.int64)[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
 
 
-def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int) -> GatherPlan:
+def check_attention_options(window: int | None, softcap: float | None) -> None:
+    """Validate `paged_attention`'s per-layer options (every backend calls this)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(f"window must be a positive number of positions or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+
+
+def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int, window: int | None = None) -> GatherPlan:
     """Gather plan for the sequences whose query run is at least min_query_len tokens long."""
+    if window is not None:
+        return _window_plan(meta, num_kv_heads, min_query_len, window)
     cached = meta.plans.torch.get(min_query_len)
     if cached is not None:
         return cached
@@ -117,6 +132,90 @@ def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int) -> Gat
     return plan
 
 
+def _window_plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int, window: int) -> GatherPlan:
+    """`_plan` for sliding-window layers: each sequence gathers only the blocks its query rows'
+    windows touch (a decode token over a long context reads ceil(window / block_size) + 1
+    blocks, not the whole context), and masks say which gathered positions each row sees."""
+    key = (min_query_len, window)  # beside the full-context plans, which are keyed by min_query_len alone
+    cached = meta.plans.torch.get(key)
+    if cached is not None:
+        return cached
+    bs = meta.block_size
+    tables = meta.block_tables.cpu()
+    starts = [0]
+    for q in meta.query_lens_host:
+        starts.append(starts[-1] + q)
+
+    def first_block(i: int) -> int:
+        # The first query row (position seq_len - query_len) sees back to that minus window - 1.
+        return max(0, meta.seq_lens_host[i] - meta.query_lens_host[i] - window + 1) // bs
+
+    def span(i: int) -> int:  # blocks from first_block(i) to the end of the context
+        return -(-meta.seq_lens_host[i] // bs) - first_block(i)
+
+    decode_seqs = [i for i, q in enumerate(meta.query_lens_host) if q == 1 and q >= min_query_len]
+    decode_seqs.sort(key=span)
+    buckets: list[list[int]] = []
+    for i in decode_seqs:
+        if buckets and span(i) <= _DECODE_BUCKET_GROWTH * span(buckets[-1][0]) + 1:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    decode = []
+    for members in buckets:
+        lens = torch.tensor([meta.seq_lens_host[i] for i in members])
+        firsts = torch.tensor([first_block(i) for i in members])
+        lasts = torch.tensor([-(-meta.seq_lens_host[i] // bs) - 1 for i in members])
+        num_blocks = max(span(i) for i in members)
+        # Columns past a sequence's last block repeat that block (its own, never another
+        # sequence's) and are masked out.
+        columns = torch.minimum(firsts[:, None] + torch.arange(num_blocks)[None, :], lasts[:, None])
+        positions = firsts[:, None] * bs + torch.arange(num_blocks * bs)[None, :]
+        valid = (positions < lens[:, None]) & (positions >= lens[:, None] - window)
+        decode.append(
+            _DecodeBucket(
+                token_index=torch.tensor([starts[i] for i in members]),
+                tile_index=_tile_index(torch.gather(tables[members], 1, columns), num_kv_heads),
+                num_blocks=num_blocks,
+                mask=None if bool(valid.all()) else valid[:, None, None, :],
+            )
+        )
+    prefill = []
+    for i, q in enumerate(meta.query_lens_host):
+        if q == 1 or q < min_query_len:
+            continue
+        seq_len = meta.seq_lens_host[i]
+        first = first_block(i)
+        tile_index = _tile_index(tables[i : i + 1, first : -(-seq_len // bs)], num_kv_heads)
+        if seq_len <= window:  # no row's window reaches back past position 0: plain causal
+            prefill.append(_PrefillSeq(starts[i], q, seq_len, tile_index))
+            continue
+        rows = torch.arange(seq_len - q, seq_len)[:, None]  # each query row's position
+        positions = torch.arange(first * bs, seq_len)[None, :]
+        mask = (positions <= rows) & (positions > rows - window)
+        prefill.append(_PrefillSeq(starts[i], q, seq_len, tile_index, kv_start=first * bs, mask=mask))
+    plan = GatherPlan(decode, prefill)
+    meta.plans.torch[key] = plan
+    return plan
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [batch, num_kv_heads, rows, head_dim]: the query heads of a KV head as rows
+    k: torch.Tensor,  # [batch, num_kv_heads, positions, head_dim]
+    v: torch.Tensor,  # [batch, num_kv_heads, positions, head_dim]
+    mask: torch.Tensor | None,  # bool, broadcastable to [batch, num_kv_heads, rows, positions]; True = seen
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [batch, num_kv_heads, rows, head_dim] in k's dtype
+    """Attention with Gemma 2's logit soft-capping, written out in float32 (SDPA has no cap):
+    softmax(softcap * tanh(scale * q k^T / softcap)) v, as transformers' eager attention."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(k.dtype)
+
+
 def _gather(
     cache: torch.Tensor, tile_index: torch.Tensor, n: int, num_blocks: int, workspace: dict, slot: str
 ) -> torch.Tensor:
@@ -142,6 +241,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
@@ -149,8 +251,15 @@ def paged_attention(
     query_len tokens of its seq_len-token context, so query row r (0-based within the
     sequence) sees context positions 0 .. seq_len - query_len + r. Query head h reads KV head
     h // (num_heads // num_kv_heads), as in transformers' repeat_kv.
+
+    Per-layer options (None: off):
+    - window: sliding-window attention as transformers defines it: the query at position
+      p = seq_len - query_len + r sees only positions j with p - window < j <= p (the last
+      `window` positions, itself included);
+    - softcap: Gemma 2's attn_logit_softcapping: the scaled logits s = scale * q.k become
+      softcap * tanh(s / softcap) before the softmax.
     """
-    return attend(q, k_cache, v_cache, meta, scale, out, min_query_len=1)
+    return attend(q, k_cache, v_cache, meta, scale, out, min_query_len=1, window=window, softcap=softcap)
 
 
 def attend(
@@ -161,15 +270,21 @@ def attend(
     scale: float,
     out: torch.Tensor | None,
     min_query_len: int,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention` for only the sequences with at least min_query_len query tokens; the
     rows of the others are left as they are in `out` (another backend computes them)."""
+    check_attention_options(window, softcap)
+    if window is not None and window >= meta.max_seq_len:
+        window = None  # every row's window reaches back past position 0: plain causal attention
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
-    plan = _plan(meta, num_kv_heads, min_query_len)
+    plan = _plan(meta, num_kv_heads, min_query_len, window)
     workspace = meta.plans.workspace
     for bucket in plan.decode:
         n = bucket.token_index.numel()
@@ -177,20 +292,37 @@ def attend(
         v = _gather(v_cache, bucket.tile_index, n, bucket.num_blocks, workspace, "v")
         # A decode token's query heads that share a KV head become that head's "query rows".
         qd = q.index_select(0, bucket.token_index).view(n, num_kv_heads, group, head_dim).to(k.dtype)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=bucket.mask, scale=scale)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=bucket.mask, scale=scale)
+        else:
+            o = _softcapped_attention(qd, k, v, bucket.mask, scale, softcap)
         out.index_copy_(0, bucket.token_index, o.reshape(n, num_heads, head_dim).to(out.dtype))
     for seq in plan.prefill:
         num_blocks = seq.tile_index.numel() // num_kv_heads
-        k = _gather(k_cache, seq.tile_index, 1, num_blocks, workspace, "k")[:, :, : seq.seq_len]
-        v = _gather(v_cache, seq.tile_index, 1, num_blocks, workspace, "v")[:, :, : seq.seq_len]
+        kv_len = seq.seq_len - seq.kv_start
+        k = _gather(k_cache, seq.tile_index, 1, num_blocks, workspace, "k")[:, :, :kv_len]
+        v = _gather(v_cache, seq.tile_index, 1, num_blocks, workspace, "v")[:, :, :kv_len]
         qp = q[seq.start : seq.start + seq.query_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
-        if seq.query_len == seq.seq_len:
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        if softcap is None and seq.mask is None:
+            if seq.query_len == seq.seq_len:
+                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+            else:
+                offset = seq.seq_len - seq.query_len
+                rows = torch.arange(seq.query_len)[:, None] + offset
+                mask = torch.arange(seq.seq_len)[None, :] <= rows
+                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         else:
-            offset = seq.seq_len - seq.query_len
-            rows = torch.arange(seq.query_len)[:, None] + offset
-            mask = torch.arange(seq.seq_len)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            mask = seq.mask
+            if mask is None:  # causal over the whole context
+                rows = torch.arange(seq.query_len)[:, None] + (seq.seq_len - seq.query_len)
+                mask = torch.arange(seq.seq_len)[None, :] <= rows
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            else:
+                # The query heads of a KV head as one run of rows: [1, kv heads, group * query_len, D].
+                qg = qp.reshape(1, num_kv_heads, group * seq.query_len, head_dim)
+                o = _softcapped_attention(qg, k, v, mask.repeat(group, 1), scale, softcap)
+                o = o.view(1, num_heads, seq.query_len, head_dim)
         out[seq.start : seq.start + seq.query_len] = o[0].transpose(0, 1).to(out.dtype)
     return out
 

@@ -176,11 +176,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.paged_attention`."""
+    """Same contract as `reference.paged_attention`. The native kernel walks only the blocks a
+    sliding window touches and caps the logits in place (window 0 / softcap 0.0 = off there)."""
+    reference.check_attention_options(window, softcap)
     module = load()
     if module is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
     if not _heads_contiguous(q):
         q = q.contiguous()
     if out is None or not out.is_contiguous():
@@ -189,10 +194,22 @@ def paged_attention(
     short, has_long = plan.short, plan.has_long
     if short.numel():
         module.paged_attention_short(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, short, scale, out
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            short,
+            scale,
+            out,
+            0 if window is None else int(window),
+            0.0 if softcap is None else float(softcap),
         )
     if has_long:  # long prefill chunks are compute-bound: the reference's SDPA does them well
-        reference.attend(q, k_cache, v_cache, meta, scale, out, min_query_len=SHORT_QUERY_MAX + 1)
+        reference.attend(
+            q, k_cache, v_cache, meta, scale, out, min_query_len=SHORT_QUERY_MAX + 1, window=window, softcap=softcap
+        )
     return out
 
 

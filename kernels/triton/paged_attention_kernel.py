@@ -12,6 +12,16 @@ to fill the GPU, a third grid axis cuts every context into `num_splits` ranges; 
 writes an unnormalised partial result and `_merge_splits_kernel` combines them. The host
 wrapper `paged_attention` picks tile sizes and the split count from the step's metadata.
 
+Per-layer options, each a constexpr flag beside its runtime value (off: the kernel is the one
+without them):
+- WINDOW (sliding window, `window` positions): a program's walk starts at the tile holding its
+  first row's oldest visible position, so tiles wholly before every row's window are never
+  loaded; the splits cut that shorter range. Tiles that straddle some row's window edge take
+  the mask, the ones every row sees whole stay unmasked.
+- SOFTCAP (Gemma 2): the natural-scale logits s become softcap * tanh(s / softcap). In the
+  log2 domain, with s2 = s * log2(e), that is softcap_log2 * tanh(s2 / softcap_log2) with
+  softcap_log2 = softcap * log2(e): the same cap, no extra multiply.
+
 The file names end in `_kernel` because `kernels/ops.py` defines functions with the bare
 names (`kernels.paged_attention`); a submodule of the same name would replace them on import.
 """
@@ -26,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.reference import check_attention_options
 from ferry.kernels.triton.dot import dot
 
 _LOG2E = 1.4426950408889634
@@ -33,6 +44,15 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 4
 # ... but gives every split at least this many KV tiles, so the merge stays a small cost.
 _MIN_TILES_PER_SPLIT = 4
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (the interpreter and every GPU target have it): sign(x) (1 - e) / (1 + e)
+    with e = exp(-2 |x|) in (0, 1], which neither overflows nor loses the sign."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e): a literal, jit code reads no globals
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -49,6 +69,8 @@ def _attend_tiles(
     kv_hi,  # one past the last position that exists for this program
     last_visible,  # [BLOCK_M] int32: last position each row sees
     scale_log2,
+    window,  # sliding window (WINDOW only): row sees last_visible - window < pos <= last_visible
+    softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     stride_kb,
     stride_kt,
     stride_vb,
@@ -57,8 +79,10 @@ def _attend_tiles(
     dim_ok,  # [HEAD_DIM_PAD] bool
     TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,  # apply the causal and end-of-context mask (else every position is visible)
+    MASKED: tl.constexpr,  # apply the causal, window and end-of-context mask (else every position is visible)
     FP32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax over positions lo .. hi in TILE steps, gathering K/V through the block table."""
     offs = tl.arange(0, TILE)
@@ -74,8 +98,12 @@ def _attend_tiles(
             other=0.0,
         )
         s = dot(q, k, FP32_DOT) * scale_log2
+        if SOFTCAP:
+            s = softcap_log2 * _tanh(s / softcap_log2)
         if MASKED:
             visible = pos_ok[None, :] & (pos[None, :] <= last_visible[:, None])
+            if WINDOW:
+                visible = visible & (pos[None, :] > last_visible[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
@@ -111,6 +139,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     work_ptr,  # [num_work, 2] int32: (sequence, query block) of each program along axis 0
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window in positions (read when WINDOW)
+    softcap_log2,  # logit soft-cap * log2(e) (read when SOFTCAP)
     tiles_per_split,  # KV tiles in each split's range
     stride_qt,
     stride_qh,
@@ -132,6 +162,8 @@ def _paged_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     SPLIT: tl.constexpr,  # write partial results for _merge_splits_kernel
     FP32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding-window attention
+    SOFTCAP: tl.constexpr,  # logit soft-capping
 ):
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,7 +193,12 @@ def _paged_attention_kernel(
     # Causal: query token q_pos sees context positions 0 .. context_len + q_pos.
     last_visible = context_len + q_pos
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    kv_lo = split * tiles_per_split * TILE
+    if WINDOW:
+        # The first row's window starts earliest; whole tiles before it are skipped.
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0) // TILE * TILE
+    else:
+        kv_start = 0
+    kv_lo = kv_start + split * tiles_per_split * TILE
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * TILE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -173,14 +210,29 @@ def _paged_attention_kernel(
     # Every row sees the positions before context_len + q_block * BLOCK_Q + 1: whole tiles there
     # need no causal mask (most of a long prefill, all but the last tile of a decode).
     all_visible = tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1)
-    unmasked_hi = tl.maximum(kv_lo, all_visible // TILE * TILE)
+    if WINDOW:
+        # ... and, with a window, only from the last real row's oldest visible position on: the
+        # tiles before that straddle some row's window edge and take the mask.
+        q_last = tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
+        in_all_windows = context_len + q_last - window + 1
+        unmasked_lo = tl.minimum(kv_hi, tl.maximum(kv_lo, (in_all_windows + TILE - 1) // TILE * TILE))
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_head, v_head, block_table, kv_lo, unmasked_lo, kv_hi, last_visible, scale_log2,
+            window, softcap_log2, stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, True,
+            FP32_DOT, WINDOW, SOFTCAP,
+        )  # fmt: skip
+    else:
+        unmasked_lo = kv_lo
+    unmasked_hi = tl.maximum(unmasked_lo, all_visible // TILE * TILE)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_head, v_head, block_table, kv_lo, unmasked_hi, kv_hi, last_visible, scale_log2,
-        stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, False, FP32_DOT,
+        acc, m_i, l_i, q, k_head, v_head, block_table, unmasked_lo, unmasked_hi, kv_hi, last_visible, scale_log2,
+        window, softcap_log2, stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, False,
+        FP32_DOT, WINDOW, SOFTCAP,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_head, v_head, block_table, unmasked_hi, kv_hi, kv_hi, last_visible, scale_log2,
-        stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, True, FP32_DOT,
+        window, softcap_log2, stride_kb, stride_kt, stride_vb, stride_vt, dims, dim_ok, TILE, BLOCK_SIZE, True,
+        FP32_DOT, WINDOW, SOFTCAP,
     )  # fmt: skip
 
     if SPLIT:
@@ -221,7 +273,9 @@ def _merge_splits_kernel(
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_splits
     part = row * num_splits + splits
-    # Split 0 always holds context position 0, which every query token sees: m_max is finite.
+    # Some split holds each token's own position, which it always sees: m_max is finite. A split
+    # that saw nothing of this token (past a short context, or before a sliding window) has
+    # m = -inf, l = 0 and acc = 0: it weighs 0.
     m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - m_max)
@@ -306,16 +360,23 @@ def choose_variant(
     k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     meta: AttentionMetadata,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> tuple[_LaunchConfig, torch.Tensor, int, int]:
     """Launch configuration, work list, split count and KV tiles per split for one call."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     config = _launch_config(meta, num_heads // num_kv_heads, triton.next_power_of_2(q.shape[2]))
     work = _work(meta, config.block_q)
+    # The longest range of positions one program walks: the whole context, or with a window
+    # from the tile holding its first row's window start (up to TILE - 1 before it) through
+    # its BLOCK_Q rows.
+    span = meta.max_seq_len
+    if window is not None:
+        span = min(span, window + config.block_q + config.tile - 2)
     if num_splits is None:
         # Prefill programs have rows enough to keep an SM busy; decode ones need the splits.
         num_programs = work.shape[0] * num_kv_heads
-        num_splits = _num_splits(q.device, num_programs, meta.max_seq_len, config.tile) if config.split_kv else 1
-    total_tiles = -(-meta.max_seq_len // config.tile)
+        num_splits = _num_splits(q.device, num_programs, span, config.tile) if config.split_kv else 1
+    total_tiles = -(-span // config.tile)
     tiles_per_split = -(-total_tiles // max(1, num_splits))
     return config, work, -(-total_tiles // tiles_per_split), tiles_per_split
 
@@ -329,8 +390,11 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     *,
     num_splits: int | None = None,  # force the split-KV count (tests, benchmarks); None = choose
+    window: int | None = None,  # sliding window in positions; None = full causal attention
+    softcap: float | None = None,  # logit soft-cap; None = none
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.paged_attention`."""
+    check_attention_options(window, softcap)
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     if num_heads % num_kv_heads:
@@ -344,7 +408,7 @@ def paged_attention(
     if meta.num_seqs == 0:
         return out
     head_dim_pad = triton.next_power_of_2(head_dim)
-    config, work, num_splits, tiles_per_split = choose_variant(q, k_cache, meta, num_splits)
+    config, work, num_splits, tiles_per_split = choose_variant(q, k_cache, meta, num_splits, window)
     split = num_splits > 1
     tokens = meta.num_tokens
     if split:
@@ -366,6 +430,8 @@ def paged_attention(
         meta.seq_lens,
         work,
         scale * _LOG2E,
+        0 if window is None else int(window),
+        0.0 if softcap is None else softcap * _LOG2E,
         tiles_per_split,
         q.stride(0),
         q.stride(1),
@@ -387,6 +453,8 @@ def paged_attention(
         HEAD_DIM_PAD=head_dim_pad,
         SPLIT=split,
         FP32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda,
+        WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         enable_fp_fusion=True,  # explicit: Triton 3.9 warns when left to its default

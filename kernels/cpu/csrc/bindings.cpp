@@ -5,7 +5,10 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_attention_short", &ferry::paged_attention_short, "paged attention for short query runs", release());
+  m.def("paged_attention_short", &ferry::paged_attention_short, "paged attention for short query runs", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("seq_indices"), py::arg("scale"), py::arg("out"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, release());
   m.def("rms_norm", &ferry::rms_norm, "RMSNorm with an in-place residual add", release());
   m.def("rotary_write_kv", &ferry::rotary_write_kv, "neox rotary in place, then K/V into the block pool", release());
   m.def("silu_and_mul", &ferry::silu_and_mul, "silu(gate) * up", release());

@@ -8,10 +8,11 @@
 #include <string>
 
 namespace ferry {
+// window: sliding-window size, 0 = none; softcap: logit soft-capping, 0 = none.
 void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices, double scale,
-                           torch::Tensor out);
+                           torch::Tensor out, int64_t window = 0, double softcap = 0.0);
 torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                        double eps);
 void rotary_write_kv(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, const torch::Tensor& positions,

@@ -15,6 +15,10 @@
 //   seq_indices:       [n] int64              the sequences this call computes (the others are left alone)
 // Query row r of a sequence with query_len Q and context L sees positions 0 .. L - Q + r.
 // Query head h reads KV head h / (num_heads / num_kv_heads) (transformers' repeat_kv).
+// Per-layer options (0 = off):
+//   window:   sliding window: row r sees only positions j with L - Q + r - window < j <= L - Q + r;
+//             the blocks wholly before every row's window are never read.
+//   softcap:  the scaled logits s become softcap * tanh(s / softcap) before the softmax (Gemma 2).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -48,6 +52,16 @@ inline void axpy(float* acc, float p, const scalar_t* v, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
+// Gemma 2's logit soft-capping on one block's scores, in place; returns their new max.
+inline float apply_softcap(float* scores, int64_t n, float softcap) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = softcap * std::tanh(scores[t] / softcap);
+    block_max = std::max(block_max, scores[t]);
+  }
+  return block_max;
+}
+
 #ifdef FERRY_AVX2
 // One block for one query (float32, head_dim = 8 * CHUNKS): scores, online-softmax update, P V.
 // The query and the output accumulator live in registers across the block, and every token's
@@ -55,7 +69,7 @@ inline void axpy(float* acc, float p, const scalar_t* v, int64_t dim) {
 // scores has room for block_size rounded up to 8.
 template <int CHUNKS>
 inline void block_update_avx2(const float* qi, const float* k_tile, const float* v_tile, int64_t visible,
-                              float* scores, float& row_max, float& row_sum, float* acc) {
+                              float softcap, float* scores, float& row_max, float& row_sum, float* acc) {
   constexpr int64_t head_dim = 8 * CHUNKS;
   __m256 q[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) q[c] = _mm256_loadu_ps(qi + 8 * c);
@@ -71,6 +85,7 @@ inline void block_update_avx2(const float* qi, const float* k_tile, const float*
     scores[t] = hsum8(_mm256_add_ps(s0, s1));
     block_max = std::max(block_max, scores[t]);
   }
+  if (softcap > 0.f) block_max = apply_softcap(scores, visible, softcap);
   const float new_max = std::max(row_max, block_max);
   __m256 a[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
@@ -101,11 +116,14 @@ inline void block_update_avx2(const float* qi, const float* k_tile, const float*
 
 // The head dims the register-resident path covers; others take the portable loop.
 inline bool block_update_fast(const float* qi, const float* k_tile, const float* v_tile, int64_t visible,
-                              int64_t head_dim, float* scores, float& row_max, float& row_sum, float* acc) {
+                              int64_t head_dim, float softcap, float* scores, float& row_max, float& row_sum,
+                              float* acc) {
   switch (head_dim) {
-    case 32: block_update_avx2<4>(qi, k_tile, v_tile, visible, scores, row_max, row_sum, acc); return true;
-    case 64: block_update_avx2<8>(qi, k_tile, v_tile, visible, scores, row_max, row_sum, acc); return true;
-    case 128: block_update_avx2<16>(qi, k_tile, v_tile, visible, scores, row_max, row_sum, acc); return true;
+    case 32: block_update_avx2<4>(qi, k_tile, v_tile, visible, softcap, scores, row_max, row_sum, acc); return true;
+    case 64: block_update_avx2<8>(qi, k_tile, v_tile, visible, softcap, scores, row_max, row_sum, acc); return true;
+    case 128:
+      block_update_avx2<16>(qi, k_tile, v_tile, visible, softcap, scores, row_max, row_sum, acc);
+      return true;
     default: return false;
   }
 }
@@ -114,7 +132,7 @@ inline bool block_update_fast(const float* qi, const float* k_tile, const float*
 template <typename scalar_t>
 void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-            const torch::Tensor& seq_indices, double scale, torch::Tensor& out) {
+            const torch::Tensor& seq_indices, double scale, int64_t window, double softcap, torch::Tensor& out) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t q_row_stride = q.stride(0);  // q may be a row-strided view into the fused qkv output
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
@@ -134,6 +152,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   };
   const int64_t tile = block_size * head_dim;
   const float fscale = static_cast<float>(scale);
+  const float fsoftcap = static_cast<float>(softcap);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // One work item = one (sequence, KV head, range of its blocks): the query heads of a KV head
@@ -143,9 +162,15 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   // ranges are merged after the parallel loop, rescaled to the common max (flash-decoding).
   const int64_t num_pairs = seq_indices.size(0) * num_kv_heads;
   const int64_t threads = at::get_num_threads();
+  // With a window, a sequence's walk starts at the block holding its first query row's oldest
+  // visible position: everything before is outside every row's window and never read.
+  const auto first_block = [&](int64_t seq) -> int64_t {
+    if (window <= 0) return 0;
+    return std::max<int64_t>(0, lens[seq] - (starts[seq + 1] - starts[seq]) - window + 1) / block_size;
+  };
   int64_t max_blocks = 0, max_query_len = 0;
   for (int64_t s = 0; s < seq_indices.size(0); ++s) {
-    max_blocks = std::max<int64_t>(max_blocks, (lens[seqs[s]] + block_size - 1) / block_size);
+    max_blocks = std::max<int64_t>(max_blocks, (lens[seqs[s]] + block_size - 1) / block_size - first_block(seqs[s]));
     max_query_len = std::max<int64_t>(max_query_len, starts[seqs[s] + 1] - starts[seqs[s]]);
   }
   constexpr int64_t kMinBlocksPerPart = 4;  // below this a range's fixed costs outweigh the balance
@@ -164,9 +189,10 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
       const int64_t seq = seqs[pair / num_kv_heads], kv_head = pair % num_kv_heads;
       const int64_t first_row = starts[seq], query_len = starts[seq + 1] - first_row, context = lens[seq];
       const int64_t num_queries = query_len * group;  // query i = (row i / group, head kv_head * group + i % group)
-      const int64_t num_blocks = (context + block_size - 1) / block_size;
-      const int64_t per_part = (num_blocks + parts - 1) / parts;
-      const int64_t b_begin = std::min(num_blocks, part * per_part), b_end = std::min(num_blocks, b_begin + per_part);
+      const int64_t num_blocks = (context + block_size - 1) / block_size, b_first = first_block(seq);
+      const int64_t per_part = (num_blocks - b_first + parts - 1) / parts;
+      const int64_t b_begin = std::min(num_blocks, b_first + part * per_part);
+      const int64_t b_end = std::min(num_blocks, b_begin + per_part);
       queries.resize(num_queries * head_dim);
       acc.assign(num_queries * head_dim, 0.f);
       row_max.assign(num_queries, neg_inf);
@@ -197,21 +223,29 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         for (int64_t i = 0; i < num_queries; ++i) {
           // Causal: this query sees context positions up to last_visible.
           const int64_t last_visible = context - query_len + i / group;
-          const int64_t visible = std::min(block_size, last_visible - block_start + 1);
+          int64_t visible = std::min(block_size, last_visible - block_start + 1);
           if (visible <= 0) continue;
+          // Window: the block's first `skip` positions are older than this row's window.
+          const int64_t skip = window > 0 ? std::max<int64_t>(0, last_visible - window + 1 - block_start) : 0;
+          if (skip >= visible) continue;
+          visible -= skip;
+          const scalar_t* k_rows = k_tile + skip * head_dim;
+          const scalar_t* v_rows = v_tile + skip * head_dim;
           const float* qi = queries.data() + i * head_dim;
           float* acc_i = acc.data() + i * head_dim;
 #ifdef FERRY_AVX2
           if constexpr (std::is_same_v<scalar_t, float>) {
-            if (block_update_fast(qi, k_tile, v_tile, visible, head_dim, scores.data(), row_max[i], row_sum[i], acc_i))
+            if (block_update_fast(qi, k_rows, v_rows, visible, head_dim, fsoftcap, scores.data(), row_max[i],
+                                  row_sum[i], acc_i))
               continue;
           }
 #endif
           float block_max = neg_inf;
           for (int64_t t = 0; t < visible; ++t) {
-            scores[t] = dot(qi, k_tile + t * head_dim, head_dim);
+            scores[t] = dot(qi, k_rows + t * head_dim, head_dim);
             block_max = std::max(block_max, scores[t]);
           }
+          if (fsoftcap > 0.f) block_max = apply_softcap(scores.data(), visible, fsoftcap);
           // Online softmax: rescale what was accumulated when the running max grows.
           const float new_max = std::max(row_max[i], block_max);
           if (new_max > row_max[i]) {
@@ -224,7 +258,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
           for (int64_t t = 0; t < visible; ++t) {
             const float p = std::exp(scores[t] - new_max);
             row_sum[i] += p;
-            axpy(acc_i, p, v_tile + t * head_dim, head_dim);
+            axpy(acc_i, p, v_rows + t * head_dim, head_dim);
           }
         }
       }
@@ -281,7 +315,7 @@ namespace ferry {
 void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices, double scale,
-                           torch::Tensor out) {
+                           torch::Tensor out, int64_t window, double softcap) {
   TORCH_CHECK(!q.is_cuda(), "paged_attention_short runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad q or cache shape");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous within a row");
@@ -293,9 +327,11 @@ void paged_attention_short(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32 && seq_indices.scalar_type() == torch::kInt64,
               "metadata dtypes: int32 tables, lens and starts; int64 seq_indices");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0 = off)");
   TORCH_CHECK(block_tables.is_contiguous() && seq_indices.is_contiguous(), "metadata must be contiguous");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_short", [&] {
-    attend<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_indices, scale, out);
+    attend<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_indices, scale, window, softcap,
+                     out);
   });
 }
 

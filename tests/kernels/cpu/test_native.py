@@ -14,7 +14,7 @@ from ferry.kernels import ops, reference
 from ferry.kernels.cpu import native as cpu_native
 from ferry.kernels.metadata import BackendPlans
 from ferry.worker.models.config import ModelArch
-from tests.kernels.triton.test_paged_attention import BATCHES, make_case
+from tests.kernels.triton.test_paged_attention import BATCHES, SOFTCAP, make_case, oracle_attention
 
 # (num_heads, num_kv_heads, head_dim): the register paths (32, 64, 128) and the portable loop (48, 80).
 HEADS = [(2, 2, 64), (9, 3, 64), (8, 1, 32), (4, 2, 128), (4, 2, 48), (6, 3, 80)]
@@ -94,6 +94,97 @@ def test_rejects_mismatched_dtypes():
         module.paged_attention_short(
             q.double(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, short, 0.1, q.double()
         )
+
+
+# --- sliding window and logit soft-capping ------------------------------------------------------
+
+# Short runs (decode, 5 and 16 query tokens: the native kernel) over contexts of many blocks
+# outside the window, a context shorter than the window, and one 17-token chunk (the reference).
+OPTION_BATCH = ([1, 1, 5, 16, 17, 1, 1], [300, 30, 129, 70, 200, 1, 45])
+# (window, softcap): windows not a multiple of the block size (16), a window of one position.
+OPTIONS = [(40, None), (None, SOFTCAP), (40, SOFTCAP), (1, None), (7, SOFTCAP), (32, None)]
+
+
+def options_case(query_lens, seq_lens, softcap, **kwargs):
+    q, k_cache, v_cache, meta = make_case(query_lens, seq_lens, **kwargs)
+    return (q * 4 if softcap is not None else q), k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize(("window", "softcap"), OPTIONS, ids=lambda o: str(o))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
+def test_window_and_softcap_match_oracle(num_heads, num_kv_heads, head_dim, window, softcap):
+    q, k_cache, v_cache, meta = options_case(
+        *OPTION_BATCH, softcap, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seed=head_dim
+    )
+    expected = oracle_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap).float()
+    got = cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("window", "softcap"), [(40, None), (None, SOFTCAP), (40, SOFTCAP)], ids=str)
+def test_window_and_softcap_half_precision(dtype, window, softcap):
+    q, k_cache, v_cache, meta = options_case(*OPTION_BATCH, softcap, num_heads=8, num_kv_heads=2, dtype=dtype, seed=3)
+    expected = oracle_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap).float()
+    got = cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=0, atol=2 * TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("softcap", [None, SOFTCAP])
+@pytest.mark.parametrize(("query_len", "seq_len", "window"), [(1, 700, 200), (5, 333, 100), (1, 700, 1000)])
+def test_window_with_few_sequences_splits_only_the_window(query_len, seq_len, window, softcap):
+    # One sequence, one KV head: the kernel splits the blocks the window touches into ranges.
+    q, k_cache, v_cache, meta = options_case([query_len], [seq_len], softcap, num_heads=3, num_kv_heads=1, seed=seq_len)
+    expected = oracle_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap).float()
+    got = cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])  # the register path and the portable loop
+def test_window_never_reads_positions_outside(head_dim):
+    """Every cached position older than its sequence's first query row's window is NaN: a
+    kernel that read one (even to mask it) would return NaN."""
+    window, query_lens, seq_lens = 37, [1, 4, 16, 1], [500, 130, 90, 20]
+    q, k_cache, v_cache, meta = make_case(
+        query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, seed=5
+    )
+    expected = oracle_attention(q, k_cache, v_cache, meta, 0.125, window=window).float()
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for j in range(max(0, seq_len - query_len - window + 1)):
+            block = int(meta.block_tables[i, j // 16])
+            k_cache[block, :, j % 16] = float("nan")
+            v_cache[block, :, j % 16] = float("nan")
+    got = cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125, window=window)
+    torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE[torch.float32])
+
+
+def test_short_kernel_options_off_by_default():
+    """window 0 / softcap 0.0 are the kernel's defaults (the decoder stack calls it without
+    them): bit for bit the plain kernel."""
+    q, k_cache, v_cache, meta = make_case(*BATCHES["spec_verify"], num_heads=4, num_kv_heads=2, seed=6)
+    module = cpu_native.load()
+    short = torch.arange(meta.num_seqs, dtype=torch.int64)
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, short, 0.125)
+    plain, explicit = torch.empty_like(q), torch.empty_like(q)
+    module.paged_attention_short(*args, plain)
+    module.paged_attention_short(*args, explicit, 0, 0.0)
+    assert torch.equal(plain, explicit)
+    assert torch.equal(plain, cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.125, window=None, softcap=None))
+    with pytest.raises(RuntimeError, match="window"):
+        module.paged_attention_short(*args, explicit, -1, 0.0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_dispatch_passes_window_and_softcap(backend, monkeypatch):
+    monkeypatch.setenv("FERRY_ATTENTION_BACKEND", backend)
+    q, k_cache, v_cache, meta = options_case(*OPTION_BATCH, SOFTCAP, num_heads=4, num_kv_heads=2, seed=8)
+    dispatched = ops.paged_attention(q, k_cache, v_cache, meta, 0.125, window=40, softcap=SOFTCAP)
+    meta.plans = BackendPlans()
+    direct = (cpu_native if backend == "cpu" else reference).paged_attention
+    assert torch.equal(dispatched, direct(q, k_cache, v_cache, meta, 0.125, window=40, softcap=SOFTCAP))
+    expected = oracle_attention(q, k_cache, v_cache, meta, 0.125, window=40, softcap=SOFTCAP).float()
+    torch.testing.assert_close(dispatched, expected, rtol=0, atol=TOLERANCE[torch.float32])
 
 
 # --- fused elementwise ops -------------------------------------------------------------------------

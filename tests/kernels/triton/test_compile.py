@@ -28,7 +28,7 @@ pytestmark = [
 
 # Shared memory a program may use: H100/H200 (sm_90) and A100 (sm_80).
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
-FLOAT_ARGS = {"scale_log2", "eps"}
+FLOAT_ARGS = {"scale_log2", "softcap_log2", "eps"}
 
 
 def compile_for(capability: int, kernel, constexprs: dict, pointers: dict, num_warps: int, num_stages: int = 2):
@@ -60,9 +60,12 @@ ATTENTION_POINTERS = {
 
 
 @pytest.mark.parametrize("capability", [90, 80])
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(False, False), (True, False), (True, True)], ids=["plain", "window", "window_softcap"]
+)
 @pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
 @pytest.mark.parametrize("query_len", [1, 512], ids=["decode", "prefill"])
-def test_paged_attention_compiles(query_len, split, capability):
+def test_paged_attention_compiles(query_len, split, window, softcap, capability):
     group, head_dim = 4, 128
     meta = AttentionMetadata.build([query_len], [4096], [list(range(256))], 16)
     config = _launch_config(meta, group, head_dim)
@@ -76,6 +79,8 @@ def test_paged_attention_compiles(query_len, split, capability):
         HEAD_DIM_PAD=head_dim,
         SPLIT=split,
         FP32_DOT=False,
+        WINDOW=window,
+        SOFTCAP=softcap,
     )
     compiled = compile_for(
         capability, _paged_attention_kernel, constexprs, ATTENTION_POINTERS, config.num_warps, config.num_stages
@@ -84,9 +89,10 @@ def test_paged_attention_compiles(query_len, split, capability):
 
 
 def test_paged_attention_other_shapes_compile():
-    """head_dim 80 (padded to 128) in float16, and a float32 cache (IEEE dots)."""
+    """head_dim 80 (padded to 128) in float16, and a float32 cache (IEEE dots) with both options."""
     for head_dim, dtype, fp32 in ((80, "*fp16", False), (64, "*fp32", True)):
         constexprs = dict(GROUP=8, BLOCK_Q=2, BLOCK_M=16, TILE=64, BLOCK_SIZE=32, SPLIT=False, FP32_DOT=fp32)
+        constexprs.update(WINDOW=fp32, SOFTCAP=fp32)
         constexprs.update(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim))
         pointers = dict(ATTENTION_POINTERS, out_ptr=dtype, q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype)
         compile_for(90, _paged_attention_kernel, constexprs, pointers, num_warps=4)
