@@ -12,6 +12,10 @@ import torch
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     GPTNeoXConfig,
@@ -62,6 +66,8 @@ ARCHITECTURES = {
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
     "cohere": (CohereConfig, CohereForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 # The mixture-of-experts families at a tiny shape (their defaults are 8 to 128 experts of 768+ features).
 MOE_DEFAULTS = {

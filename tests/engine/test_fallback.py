@@ -22,6 +22,17 @@ FALLBACK_CASES = {
     "gpt_neox": {"num_kv_heads": 4, "rotary_pct": 0.5},  # LayerNorm, parallel residual, partial rotary
     "cohere": {"logit_scale": 0.5},  # its head scales the logits
     "gemma": {"head_dim": 16},  # GeGLU, (1 + w) norms, scaled embeddings
+    # Gemma 2: every other layer a 16-token window (sequences reach 82 tokens), attention logits
+    # soft-capped at 5 (the kernels' softcap), final logits at 3, sandwich norms
+    "gemma2": {"head_dim": 16, "sliding_window": 16, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+               "query_pre_attn_scalar": 24},
+    # Gemma 3: local layers (16-token window, their own rope base) beside a global one with linear
+    # scaling, q/k norms
+    "gemma3_text": {"head_dim": 16, "sliding_window": 16, "num_layers": 4, "sliding_window_pattern": 2,
+                    "query_pre_attn_scalar": 24,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                           "rope_theta": 1000000.0}}},
 }
 
 

@@ -142,11 +142,7 @@ def model_arch(hf_config, model_impl: str = "auto") -> ModelArch:
 
 
 def _max_model_len(arch: ModelArch, wanted: int | None) -> int:
-    limit = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < limit:
-        # Ferry attends over the whole context; capping at the window keeps results exact.
-        log.warning("model uses a sliding window of %d tokens: max_model_len capped to it", arch.sliding_window)
-        limit = arch.sliding_window
+    limit = arch.max_position_embeddings  # sliding windows are honoured by the attention kernels
     if wanted is None:
         return limit
     if wanted > limit:

@@ -85,10 +85,13 @@ class ModelArch:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rotary
     tie_word_embeddings: bool
-    sliding_window: int | None  # attention window, if the checkpoint uses one
+    sliding_window: int | None  # attention window, if the checkpoint uses one (see layer_windows)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # [num_layers]: each layer's attention window (None: full attention). transformers' layer_types
+    # where the config has them (Qwen2/3: sliding from max_window_layers on), else every layer
+    layer_windows: tuple[int | None, ...] = ()
     # "ferry": Ferry's own decoder (worker/models/llama.py); "transformers": the model's transformers
     # code with Ferry's paged attention (worker/models/fallback.py), for any other decoder
     implementation: str = "ferry"
@@ -138,7 +141,15 @@ class ModelArch:
             eos_token_ids=eos_ids,
             bos_token_id=getattr(cfg, "bos_token_id", None),
             moe=_moe_config(cfg, arch),
+            layer_windows=_layer_windows(cfg, int(sliding) if sliding else None),
         )
+
+
+def _layer_windows(cfg, window: int | None) -> tuple[int | None, ...]:
+    types = getattr(cfg, "layer_types", None)
+    if window is None or not types:
+        return (window,) * cfg.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 def _moe_config(cfg, arch: str) -> MoeConfig | None:

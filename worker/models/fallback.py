@@ -176,7 +176,7 @@ class FallbackModel(nn.Module):
 def load_fallback_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> FallbackModel:
     """transformers' model on `device` in `dtype` with `ferry_paged` attention, its logits checked
     against transformers' own forward (a head Ferry cannot reproduce is refused)."""
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     hf_model = hf_model.to(device).eval()
     model = FallbackModel(hf_model, arch)
     _check_logits(model)
@@ -186,7 +186,7 @@ def load_fallback_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, de
 
 @torch.inference_mode()
 def _check_logits(model: FallbackModel) -> None:
-    """transformers' forward (sdpa) against decoder + head + the known logit processing on a few
+    """transformers' forward (eager attention) against decoder + head + the known logit processing on a few
     tokens: a model whose head does something else is refused rather than served wrong."""
     ids = torch.arange(1, 5, device=model.head.weight.device)[None] % model.arch.vocab_size
     expected = model.hf(input_ids=ids, use_cache=False).logits[0].float()

@@ -79,9 +79,10 @@ def _all_reduce(partial: torch.Tensor, shard: Shard) -> torch.Tensor:
 class Attention(nn.Module):
     """One rank's heads (`arch` is the rank's local_arch): q/k/v column-parallel, o_proj row-parallel."""
 
-    def __init__(self, arch: ModelArch, shard: Shard) -> None:
+    def __init__(self, arch: ModelArch, shard: Shard, window: int | None = None) -> None:
         super().__init__()
         self.shard = shard
+        self.window = window  # sliding-window attention over the last `window` positions; None: full
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
@@ -114,7 +115,10 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm, self.eps)[0]
             k = ops.rms_norm(k, self.k_norm, self.eps)[0]
         q = ops.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        if self.window is not None and self.window < meta.max_seq_len:
+            out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)
+        else:  # every context fits the window: full attention is the same
+            out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return _all_reduce(_linear(self.o_proj, out.reshape(num_tokens, self.q_size)), self.shard)
 
 
@@ -149,7 +153,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, shard: Shard, layer: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
-        self.self_attn = Attention(arch, shard)
+        self.self_attn = Attention(arch, shard, arch.layer_windows[layer] if arch.layer_windows else None)
         self.mlp = _mlp(arch, shard, layer)
         self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
@@ -184,6 +188,9 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False)
         self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
         self.native_stack = None  # every layer as one native call for decode steps, once pack_weights() ran
+        # The native stack attends over whole contexts: it runs steps whose contexts fit every window.
+        windows = [w for w in arch.layer_windows if w is not None]
+        self._stack_max_seq_len = min(windows, default=float("inf"))
 
     @property
     def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:
@@ -271,7 +278,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         with ops.pinned_backend(x) as backend:
-            if self.native_stack is not None and backend == "cpu":
+            if self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len:
                 hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta)
                 if hidden is not None:  # a decode / verification step: all layers in one call
                     return hidden
