@@ -208,11 +208,16 @@ def test_partial_rotary_matches_transformers(tiny_model_factory, rope):
     assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
 
 
-def test_a_partial_rotary_of_an_odd_number_of_dims_is_refused_by_name(tiny_model_factory):
+def test_a_partial_rotary_of_an_odd_number_of_dims_is_refused_natively_and_served_by_the_fallback(
+        tiny_model_factory):
     model_dir = tiny_model_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                             "partial_rotary_factor": 0.5625})  # 9 of 16 dims
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5625 rotates 9 of 16"):
-        LLM(str(model_dir))
+        LLM(str(model_dir), model_impl="ferry")
+    llm = LLM(str(model_dir))  # transformers' own Phi-3 code rotates the 9 dims
+    assert llm.engine.arch.implementation == "transformers"
+    prompts = _prompts(llm.engine.arch.vocab_size)[:3]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == _reference(model_dir, prompts)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

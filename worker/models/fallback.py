@@ -90,6 +90,11 @@ def fallback_arch(cfg) -> ModelArch:
     if getattr(cfg, "is_encoder_decoder", False) or type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UnsupportedModelError(f"architecture {archs}: not a decoder-only AutoModelForCausalLM")
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    if not model_class.__name__.endswith("ForCausalLM"):  # BERT-style LM heads: bidirectional encoders
+        raise UnsupportedModelError(f"architecture {archs}: {model_class.__name__} is not a causal decoder")
+    if getattr(cfg, "architectures", None) and model_class.__name__ not in cfg.architectures:
+        raise UnsupportedModelError(f"config.json names architectures {archs} but its model_type "
+                                    f"{cfg.model_type!r} builds {model_class.__name__}")
     if not getattr(model_class, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             f"architecture {archs}: its transformers code ({model_class.__name__}) takes no custom attention "
