@@ -259,3 +259,30 @@ def test_sliding_window_matches_transformers_past_the_window(tiny_model_factory,
     again = llm.generate(prompts, GREEDY, use_tqdm=False)  # from the prefix cache this time
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
     _assert_all_free(llm)
+
+
+def test_a_sliding_window_model_holds_about_its_window_of_kv_per_sequence(tiny_model_factory):
+    """Every layer windowed (Mistral): blocks before the next token's window are released as the
+    sequence grows, so a sequence 4x past its window holds window / block_size + 1 blocks; the
+    tokens are still transformers' (those blocks are never read again), also for a second request
+    that takes the first one's prompt from the prefix cache."""
+    window, block = 16, 4
+    model_dir = tiny_model_factory("mistral", sliding_window=window)
+    llm = LLM(str(model_dir), block_size=block, max_num_batched_tokens=8)
+    assert llm.engine.core.kv.window == window
+    prompt = _prompts(llm.engine.arch.vocab_size)[-1]  # 50 tokens
+    params = SamplingParams(max_tokens=4 * window, temperature=0.0, ignore_eos=True)
+    held = []
+    llm.engine.add_request("a", prompt, params)
+    tokens = []
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            tokens += output.new_token_ids
+        held.append(llm.engine.kv_usage().num_used_blocks)
+    assert tokens == _reference(model_dir, [prompt], new_tokens=4 * window)[0]
+    # decoding 114 tokens in: the window's 16 positions span at most 5 blocks, plus the step's own
+    assert max(held[-40:]) <= window // block + 2
+    assert max(held) < -(-(len(prompt) + 4 * window) // block)  # well under the whole sequence's 29
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == tokens
+    _assert_all_free(llm)

@@ -64,7 +64,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel) -> None:
         self.executor = model.executor
         self.max_model_len = model.max_model_len
-        self.kv = KVCacheManager(model.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(model.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 window=_kv_window(model))
         self.spec: SpecDecoder | None = None
         spec = config.speculative
         if spec is not None:
@@ -189,3 +190,14 @@ class EngineCore:
             if self.spec is not None:  # blocks of rejected positions, and of proposals never verified
                 self.kv.trim(request)
             out.sampled.append(SampledTokens(request, tokens, result.logprobs.get(request.request_id)))
+
+
+def _kv_window(model: LoadedModel) -> int | None:
+    """How far back any layer reads KV, where every layer of the model has a sliding window (its
+    widest): the KV manager releases blocks before it. None where some layer attends over the
+    whole context, or something else reads old blocks: a draft model (it shares the block tables),
+    LongRoPE (it recomputes a sequence from its first token at the switch)."""
+    windows = model.arch.layer_windows
+    if not windows or None in windows or model.draft is not None or model.arch.rope.long_inv_freq is not None:
+        return None
+    return max(windows)

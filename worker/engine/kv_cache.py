@@ -12,6 +12,11 @@ evicted only when their slot is needed, and a block with a reference is never ev
 
 Verbs, all that the scheduler needs: `lookup_prefix`, `allocate` (None = preempt something),
 `free`; and `trim`, which drops rejected speculative positions' blocks after a verification.
+
+A model whose every layer attends over a sliding window (`window`) never reads a block again once
+all its positions are before the window of the next token: `allocate` releases such blocks
+(cached ones stay in the prefix cache as free blocks) and leaves FREED_BLOCK in their place in
+the block table, so a sequence holds about window / block_size + 1 blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from ferry.worker.engine.request import Request
 
 ROOT_KEY = bytes(32)  # parent key of every chain's first block
+FREED_BLOCK = -1  # a block-table place whose block left every layer's window and was released
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
@@ -72,12 +78,17 @@ class KVUsage:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV pool needs at least one block of at least one token")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer's sliding window (the widest): blocks before it are released
         self.ref_counts = [0] * num_blocks
         self.block_meta: list[CachedBlock | None] = [None] * num_blocks  # set while a block is cached
         self.cached: dict[bytes, int] = {}  # key -> block id
@@ -126,6 +137,8 @@ class KVCacheManager:
         hit_blocks = prefix.block_ids if prefix else []
         if hit_blocks and request.block_ids:
             raise ValueError("a prefix hit is attached only to a request without blocks")
+        if self.window is not None and request.block_ids:
+            self._release_out_of_window(request)
         num_computed = prefix.num_tokens if prefix else request.num_computed_tokens
         needed_total = -(-(num_computed + num_new_tokens + lookahead) // self.block_size)
         num_needed = needed_total - len(request.block_ids) - len(hit_blocks)
@@ -166,6 +179,7 @@ class KVCacheManager:
         self._release(request.block_ids)
         request.block_ids.clear()
         request.num_registered_blocks = 0
+        request.num_window_freed_blocks = 0
 
     def trim(self, request: Request) -> None:
         """Release the blocks past the request's computed tokens: after a verification they hold
@@ -218,9 +232,23 @@ class KVCacheManager:
             parent = keys[-1] if keys else ROOT_KEY
             keys.append(block_key(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_extra))
 
+    def _release_out_of_window(self, request: Request) -> None:
+        """Release the leading blocks no query from the next token on can see: a query at p reads
+        positions above p - window, so block i is done once (i + 1) * block_size <= p - window + 1."""
+        dead = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
+        dead = min(dead, len(request.block_ids))
+        if dead <= request.num_window_freed_blocks:
+            return
+        first = request.num_window_freed_blocks
+        self._release(request.block_ids[first:dead])
+        request.block_ids[first:dead] = [FREED_BLOCK] * (dead - first)
+        request.num_window_freed_blocks = dead
+
     def _release(self, blocks: list[int]) -> None:
         # Reverse order: a chain's tail is evicted before its head, which more requests share.
         for block in reversed(blocks):
+            if block == FREED_BLOCK:
+                continue
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None

@@ -76,6 +76,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # block table: block i holds tokens [i*bs, (i+1)*bs)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, lazily extended
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
+    # leading blocks released since every layer's sliding window passed them (KVCacheManager.window);
+    # their places in block_ids hold FREED_BLOCK
+    num_window_freed_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
