@@ -31,6 +31,7 @@ __all__ = [
     "decoder_stack",
     "embedding",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "pinned_backend",
     "linear",
     "pack_experts",
@@ -213,6 +214,11 @@ def silu_and_mul(gate_up):
     if backend_for(gate_up) == "cpu":
         return _cpu().silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up):
+    """GeGLU (Gemma): the reference on every backend."""
+    return reference.gelu_tanh_and_mul(gate_up)
 
 
 def rotary(q, k, positions, cos_sin_cache, is_neox: bool = True):

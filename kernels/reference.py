@@ -373,6 +373,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * int
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, gate and up the two halves of the last dim."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rotary_and_write_kv(
     q: torch.Tensor,
     k: torch.Tensor,

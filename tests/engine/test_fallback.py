@@ -22,8 +22,10 @@ FALLBACK_CASES = {
     "gpt_neox": {"num_kv_heads": 4, "rotary_pct": 0.5},  # LayerNorm, parallel residual, partial rotary
     "cohere": {"logit_scale": 0.5},  # its head scales the logits
     "gemma": {"head_dim": 16},  # GeGLU, (1 + w) norms, scaled embeddings
-    # Gemma 2: every other layer a 16-token window (sequences reach 82 tokens), attention logits
-    # soft-capped at 5 (the kernels' softcap), final logits at 3, sandwich norms
+    # Gemma 2/3 are native too (tests/engine/test_gemma.py); here on the fallback (model_impl=
+    # "transformers") for the windows and soft-capping it passes to the kernels. Gemma 2: every other
+    # layer a 16-token window (sequences reach 82 tokens), attention logits soft-capped at 5, final
+    # logits at 3, sandwich norms
     "gemma2": {"head_dim": 16, "sliding_window": 16, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
                "query_pre_attn_scalar": 24},
     # Gemma 3: local layers (16-token window, their own rope base) beside a global one with linear
@@ -36,11 +38,14 @@ FALLBACK_CASES = {
 }
 
 
+NATIVE_TOO = ("gemma2", "gemma3_text")
+
+
 @pytest.mark.parametrize("case", list(FALLBACK_CASES))
 def test_greedy_matches_transformers(tiny_model_factory, case, caplog):
     model_dir = tiny_model_factory(case, **FALLBACK_CASES[case])
     with caplog.at_level(logging.INFO, logger="ferry.worker.engine.loading"):
-        llm = LLM(str(model_dir))
+        llm = LLM(str(model_dir), model_impl="transformers" if case in NATIVE_TOO else "auto")
     assert llm.engine.arch.implementation == "transformers"
     assert isinstance(llm.engine.runner.model, FallbackModel)
     assert any("model implementation: transformers fallback" in r.getMessage() for r in caplog.records)

@@ -175,6 +175,12 @@ def test_a_longrope_prompt_past_the_switch_is_rotated_long_from_its_first_token(
     forward pass over it, which uses the long factors at every position."""
     model_dir = tiny_model_factory("phi3", rope_parameters=LONGROPE, **LONGROPE_LENGTHS)
     prompt = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    assert_prompt_logprobs_match(model_dir, prompt)
+
+
+def assert_prompt_logprobs_match(model_dir, prompt: list[int]) -> None:
+    """Each prompt token's logprob, scored by Ferry in chunks of 8, equals transformers' from one
+    forward pass over the whole prompt."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)

@@ -1,7 +1,8 @@
 """The architecture facts Ferry needs, read from a Hugging Face `config.json`.
 
 One `ModelArch` covers Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3/Phi-4 and the mixture-of-experts
-Mixtral, Qwen2-MoE and Qwen3-MoE: they differ only in the flags below (q/k/v bias, q/k RMSNorm,
+Mixtral, Qwen2-MoE and Qwen3-MoE, and with Gemma's own options (`GemmaConfig`) Gemma 2 and Gemma 3
+(text): they differ only in the flags below (q/k/v bias, q/k RMSNorm,
 rope scaling, tied embeddings, `moe`; Phi-3's checkpoints store q/k/v and gate/up already fused,
 which is how Ferry holds them). RoPE variants come from
 transformers' own rope init functions.
@@ -23,7 +24,10 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -68,6 +72,20 @@ class MoeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """Gemma 2 / Gemma 3 (text): GeGLU MLPs, (1 + w) RMSNorms (Ferry stores 1 + w), embeddings
+    times sqrt(hidden_size), sandwich norms around attention and MLP, attention scaled by
+    query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps attention logits, both may cap final logits;
+    Gemma 3's sliding layers rotate with a rope of their own (`local_rope`, the others `arch.rope`)."""
+
+    query_pre_attn_scalar: float
+    attn_logit_softcap: float | None
+    final_logit_softcap: float | None
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' rope; None: one rope for all
+    local_rope_layers: tuple[int, ...] = ()  # the layers that rotate with local_rope
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArch:
     architecture: str
     vocab_size: int
@@ -95,6 +113,7 @@ class ModelArch:
     # "ferry": Ferry's own decoder (worker/models/llama.py); "transformers": the model's transformers
     # code with Ferry's paged attention (worker/models/fallback.py), for any other decoder
     implementation: str = "ferry"
+    gemma: GemmaConfig | None = None  # Gemma 2/3's decoder (see GemmaConfig); None: Llama's
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArch:
@@ -105,8 +124,9 @@ class ModelArch:
                 f"unsupported architecture {archs or getattr(cfg, 'model_type', '?')}; "
                 f"Ferry serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        gemma = _gemma_config(cfg) if arch in _GEMMA else None
         act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if gemma is None and act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; Ferry implements silu")
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -131,18 +151,53 @@ class ModelArch:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.rms_norm_eps),
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
-            rope=_rope_config(cfg),
+            rope=_rope_config(cfg) if arch != "Gemma3ForCausalLM" else _layer_rope(cfg, "full_attention"),
             qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", *_GEMMA),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=getattr(cfg, "bos_token_id", None),
             moe=_moe_config(cfg, arch),
             layer_windows=_layer_windows(cfg, int(sliding) if sliding else None),
+            gemma=gemma,
         )
+
+
+def _gemma_config(cfg) -> GemmaConfig:
+    """Gemma 2/3's options, refusing (by name) those Ferry's decoder does not implement."""
+    act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"unsupported hidden_activation {act!r}; Ferry implements gelu_pytorch_tanh")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("use_bidirectional_attention=True is not supported; Ferry's attention is causal")
+    final = getattr(cfg, "final_logit_softcapping", None)
+    if cfg.model_type == "gemma2":
+        soft = getattr(cfg, "attn_logit_softcapping", None)
+        return GemmaConfig(float(cfg.query_pre_attn_scalar), float(soft) if soft else None,
+                           float(final) if final else None)
+    if cfg.model_type != "gemma3_text":
+        raise UnsupportedModelError(f"unsupported Gemma config model_type {cfg.model_type!r}")
+    # Gemma 3's attention takes no soft-cap (transformers ignores attn_logit_softcapping there).
+    types = list(getattr(cfg, "layer_types", None) or ())
+    if len(types) != cfg.num_hidden_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"unsupported layer_types {types}")
+    local = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return GemmaConfig(float(cfg.query_pre_attn_scalar), None, float(final) if final else None,
+                       local_rope=_layer_rope(cfg, "sliding_attention"), local_rope_layers=local)
+
+
+def _layer_rope(cfg, layer_type: str) -> RopeConfig:
+    """Gemma 3: the rope of one kind of layer, from rope_parameters[layer_type]."""
+    params = dict((getattr(cfg, "rope_parameters", None) or {}).get(layer_type) or {})
+    if float(params.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor in rope_parameters[{layer_type!r}] is not supported")
+    rope = _rope_frequencies(cfg, layer_type)
+    if rope.kind == "longrope":
+        raise UnsupportedModelError(f"rope type {rope.kind!r} in rope_parameters[{layer_type!r}] is not supported")
+    return rope
 
 
 def _layer_windows(cfg, window: int | None) -> tuple[int | None, ...]:
@@ -198,10 +253,13 @@ def _rope_config(cfg) -> RopeConfig:
     return replace(rope, rotary_dim=rotary_dim)
 
 
-def _rope_frequencies(cfg) -> RopeConfig:
+def _rope_frequencies(cfg, layer_type: str | None = None) -> RopeConfig:
     # transformers 5 keeps everything in `rope_parameters`; older configs use rope_theta + rope_scaling.
+    # Gemma 3 keeps one dict per kind of layer there (`layer_type`).
     params = dict(getattr(cfg, "rope_parameters", None) or {})
-    scaling = getattr(cfg, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
+    scaling = (getattr(cfg, "rope_scaling", None) or {}) if layer_type is None else {}
     for key, value in scaling.items():
         params.setdefault(key, value)
     theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
@@ -211,9 +269,10 @@ def _rope_frequencies(cfg) -> RopeConfig:
     if kind in _LENGTH_DEPENDENT_ROPE or kind not in ROPE_INIT_FUNCTIONS:
         supported = ", ".join(k for k in ("default", *ROPE_INIT_FUNCTIONS) if k not in _LENGTH_DEPENDENT_ROPE)
         raise UnsupportedModelError(f"unsupported rope type {kind!r}; Ferry implements {supported}")
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
+    by_layer = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"), **by_layer)
     long_inv_freq, original_max = None, 0
-    if kind == "longrope":
+    if kind == "longrope" and layer_type is None:
         original_max = int(params.get("original_max_position_embeddings")
                            or getattr(cfg, "original_max_position_embeddings", 0) or cfg.max_position_embeddings)
         long, _ = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"), seq_len=original_max + 1)

@@ -1,5 +1,6 @@
 """One Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, Phi-3, and with mixture-of-experts
-MLPs Mixtral, Qwen2-MoE, Qwen3-MoE: worker/models/moe.py) over a paged KV cache.
+MLPs Mixtral, Qwen2-MoE, Qwen3-MoE: worker/models/moe.py; Gemma 2/3's sandwich-norm layers:
+GemmaDecoderLayer) over a paged KV cache.
 
 The model sees one flat batch per step: every scheduled token of every request, one row each.
 q/k/v and gate/up are fused into single projections (fewer, larger matrix products); the
@@ -86,7 +87,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.head_dim**-0.5 if arch.gemma is None else arch.gemma.query_pre_attn_scalar**-0.5
+        self.softcap = None if arch.gemma is None else arch.gemma.attn_logit_softcap
         self.eps = arch.rms_norm_eps
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias and shard.rank == 0)
@@ -115,10 +117,11 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm, self.eps)[0]
             k = ops.rms_norm(k, self.k_norm, self.eps)[0]
         q = ops.rotary_and_write_kv(q, k, v, positions, cos_sin, True, k_cache, v_cache, slot_mapping)
+        options = {} if self.softcap is None else {"softcap": self.softcap}
         if self.window is not None and self.window < meta.max_seq_len:
-            out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)
-        else:  # every context fits the window: full attention is the same
-            out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            options["window"] = self.window
+        # (else every context fits the window: full attention is the same)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, **options)
         return _all_reduce(_linear(self.o_proj, out.reshape(num_tokens, self.q_size)), self.shard)
 
 
@@ -135,9 +138,10 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size or arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, arch.hidden_size, bias=arch.mlp_bias and shard.rank == 0)
+        self.act_and_mul = ops.silu_and_mul if arch.gemma is None else ops.gelu_tanh_and_mul  # Gemma: GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = _linear(self.down_proj, ops.silu_and_mul(_linear(self.gate_up_proj, x)))
+        hidden = _linear(self.down_proj, self.act_and_mul(_linear(self.gate_up_proj, x)))
         return _all_reduce(hidden, self.shard)
 
 
@@ -166,6 +170,25 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma 2/3's layer: sandwich norms. transformers' residual + post_attention_norm(attention)
+    and residual + post_feedforward_norm(mlp) are the fused residual adds of the next norm (the
+    pre-feedforward norm here, the next layer's input norm or the final norm after). Norm
+    weights hold 1 + w (the loader adds the 1)."""
+
+    def __init__(self, arch: ModelArch, shard: Shard, layer: int) -> None:
+        super().__init__(arch, shard, layer)
+        self.pre_feedforward_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.post_feedforward_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+
+    def forward(self, x, residual, positions, cos_sin, k_cache, v_cache, slot_mapping, meta):
+        x, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
+        x = self.self_attn(x, positions, cos_sin, k_cache, v_cache, slot_mapping, meta)
+        x = ops.rms_norm(x, self.post_attention_layernorm, self.eps)[0]
+        x, residual = ops.rms_norm(x, self.pre_feedforward_layernorm, self.eps, residual)
+        return ops.rms_norm(self.mlp(x), self.post_feedforward_layernorm, self.eps)[0], residual
+
+
 class LlamaModel(nn.Module):
     """Decoder + LM head. `forward` returns hidden states; `compute_logits` only for sampled rows.
 
@@ -179,13 +202,21 @@ class LlamaModel(nn.Module):
         self.shard = shard
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         local = local_arch(arch, shard)
-        self.layers = nn.ModuleList(DecoderLayer(local, shard, i) for i in range(arch.num_layers))
+        layer_class = DecoderLayer if arch.gemma is None else GemmaDecoderLayer
+        self.layers = nn.ModuleList(layer_class(local, shard, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         self.register_buffer("cos_sin", rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions), persistent=False)
+        # Gemma 3: the sliding layers' own rotary table (`layer_cos_sin` picks each layer's)
+        local_rope = arch.gemma.local_rope if arch.gemma is not None else None
+        local_table = None if local_rope is None else rope_cos_sin_cache(local_rope, arch.head_dim, max_positions)
+        self.register_buffer("cos_sin_local", local_table, persistent=False)
+        self._local_rope_layers = frozenset(arch.gemma.local_rope_layers if local_rope is not None else ())
+        # Gemma: embeddings times sqrt(hidden_size), in the weights' dtype as transformers rounds it
+        self.embed_scale = None if arch.gemma is None else arch.hidden_size**0.5
         self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
         self.native_stack = None  # every layer as one native call for decode steps, once pack_weights() ran
         # The native stack attends over whole contexts: it runs steps whose contexts fit every window.
@@ -239,6 +270,8 @@ class LlamaModel(nn.Module):
         stack runs every layer in one call, with no point between them for the all-reduces)."""
         if self.shard.size > 1 or not all(isinstance(layer.mlp, MLP) for layer in self.layers):
             return None  # (the native stack's layers have dense MLPs)
+        if self.arch.gemma is not None:
+            return None  # (the native stack implements Llama's layer only)
         projections = [
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in self.layers
@@ -276,6 +309,8 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         residual = None
         with ops.pinned_backend(x) as backend:
             if self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len:
@@ -284,10 +319,18 @@ class LlamaModel(nn.Module):
                     return hidden
             for i, layer in enumerate(self.layers):
                 x, residual = layer(
-                    x, residual, positions, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
+                    x, residual, positions, self.layer_cos_sin(i), kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
                 )
             return ops.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
+    def layer_cos_sin(self, layer: int) -> torch.Tensor:
+        """The rotary table layer `layer` reads (Gemma 3's sliding layers: their own)."""
+        return self.cos_sin_local if layer in self._local_rope_layers else self.cos_sin
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         head = self.lm_head_weight if self.lm_head_packed is None else self.lm_head_packed
-        return ops.linear(hidden, head).float()
+        logits = ops.linear(hidden, head)
+        cap = None if self.arch.gemma is None else self.arch.gemma.final_logit_softcap
+        if cap is not None:  # Gemma: cap * tanh(logits / cap), in the logits' dtype as transformers
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

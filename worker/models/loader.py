@@ -170,6 +170,8 @@ _RENAMED = {
     "lm_head.weight": "lm_head",
     "input_layernorm.weight": "input_layernorm",
     "post_attention_layernorm.weight": "post_attention_layernorm",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm",  # Gemma 2/3's sandwich norms
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm",
     "self_attn.q_norm.weight": "self_attn.q_norm",
     "self_attn.k_norm.weight": "self_attn.k_norm",
 }
@@ -264,6 +266,8 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     # The rotary table stays float32 whatever the weights' dtype (as in transformers).
     model.cos_sin = rope_cos_sin_cache(arch.rope, arch.head_dim, max_positions).to(device)
+    if model.cos_sin_local is not None:  # Gemma 3's sliding layers' table
+        model.cos_sin_local = rope_cos_sin_cache(arch.gemma.local_rope, arch.head_dim, max_positions).to(device)
     kept = {} if quantization.gguf is None else gguf_kept_weights(quantization.gguf, arch)
     model.keep_quantized(kept)
     params = dict(model.named_parameters())
@@ -289,11 +293,23 @@ def load_model(
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
     if arch.rope.rotary_dim:
         _reorder_for_partial_rotary(model, local)
+    if arch.gemma is not None:
+        _fold_gemma_norms(model)
     if quantization.method == "int8":
         model.keep_quantized(int8_weights(model))
     model.pack_weights()
     model.eval()
     return model
+
+
+@torch.no_grad()
+def _fold_gemma_norms(model: LlamaModel) -> None:
+    """Gemma's RMSNorms scale by 1 + w (in float32): every norm weight becomes 1 + w, so Ferry's
+    rms_norm (weight times the normalised x) computes theirs. Exact in float32; in 16-bit dtypes
+    1 + w is rounded to the dtype (transformers multiplies in float32 before rounding)."""
+    for name, param in model.named_parameters():
+        if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm")):
+            param.data.copy_((1.0 + param.data.float()).to(param.dtype))
 
 
 @torch.no_grad()
