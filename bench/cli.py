@@ -60,6 +60,7 @@ SUITES = {
         Suite("quantized_linear", "bench.quantized_linear", ("--rows", "1,32", "--repeats", "2"), takes_model=False),
         Suite("quantized", "bench.quantized", ("--quick",), takes_model=False),
         Suite("tensor_parallel", "bench.tensor_parallel", ("--quick",), takes_model=False),
+        Suite("model_families", "bench.model_families", ("--quick",), takes_model=False),
     )
 }
 

@@ -26,7 +26,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
                     "quantized_q6_k")
 SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start",
-               *QUANTIZED_SUITES, "redis_capacity")
+               *QUANTIZED_SUITES, "redis_capacity", "model_families")
 
 
 @dataclass
@@ -279,9 +279,23 @@ def cold_start_rows(data: dict) -> list[Row]:
                 after_ready(s3), "no snapshot", False)]
 
 
+def model_families_rows(data: dict) -> list[Row]:
+    """Ferry against transformers `generate` per model family, at batch 1 and the big batch."""
+    rows = []
+    layers = _get(data, "settings", "layers")
+    for family, result in (data.get("results") or {}).items():
+        for key, figures in result.items():
+            if not key.startswith("batch") or not isinstance(figures, dict):
+                continue
+            rows.append(Row("model_families", f"output tok/s, {family} ({layers} layers), batch {key[5:]}",
+                            figures.get("ferry_tokens_per_s"), figures.get("transformers_tokens_per_s"),
+                            "transformers generate", True))
+    return [r for r in rows if r.ferry is not None and r.baseline is not None]
+
+
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
-    "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows,
+    "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "model_families": model_families_rows,
     **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
 

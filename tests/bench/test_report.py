@@ -153,3 +153,23 @@ def test_queue_rows_include_single_jobs_against_the_engine():
     single = rows["TTFT p50 (ms), one job at a time"]
     assert (single.ferry, single.baseline) == (47.0, 42.0)
     assert single.factor == 42.0 / 47.0  # less time is better: baseline / Ferry
+
+
+def test_model_families_rows_set_ferry_against_transformers_per_family_and_batch():
+    data = {
+        "machine": {"cpu": "x"},
+        "settings": {"layers": 12, "batch": 32},
+        "results": {
+            "llama": {"model": "llama-12l-random", "parameters_m": 100.0,
+                      "batch1": {"ferry_tokens_per_s": 60.0, "transformers_tokens_per_s": 30.0},
+                      "batch32": {"ferry_tokens_per_s": 600.0, "transformers_tokens_per_s": 200.0}},
+            "mixtral": {"batch1": {"ferry_tokens_per_s": 40.0, "transformers_tokens_per_s": None}},
+        },
+        "goal": {"family": "mixtral", "ratio": 6.0, "met": True},
+    }
+    rows = report.rows_for("model_families", data)
+    assert [(r.metric, r.baseline_name, r.factor) for r in rows] == [
+        ("output tok/s, llama (12 layers), batch 1", "transformers generate", 2.0),
+        ("output tok/s, llama (12 layers), batch 32", "transformers generate", 3.0),
+    ]
+    assert "model_families" in report.SUITE_NAMES
