@@ -10,7 +10,9 @@ leaves the others running; a step that runs out of time keeps what it wrote so f
   environment   versions, device, memory, measured copy bandwidth, which of Ferry's imports are missing
   kernel_tests  tests/kernels/triton compiled on the GPU (TRITON_INTERPRET=0) against the PyTorch reference
   parity        greedy tokens of Ferry against transformers generate on the same random weights
-                (llama with GQA, qwen2 with biases, qwen3 with q/k norms), in float32 and bfloat16
+                (llama with GQA, qwen2 with biases, qwen3 with q/k norms, mixtral through the Triton
+                fused-MoE kernel, gemma2 through windowed and soft-capped Triton attention), in float32
+                and bfloat16
   kernel_bench  `python -m bench.kernels --quick`: decode attention GB/s against the copy bandwidth,
                 prefill against SDPA, the fused kernels against the reference
   serving       random weights in the Llama-3.1-8B shape, bf16: TTFT, TBT and tokens/s with 1, 16, 64
@@ -78,6 +80,10 @@ PARITY_ARCHS = {
     "llama": dict(num_attention_heads=8, num_key_value_heads=2),
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    # a 16-token window (prompts of up to 48 tokens + 32 new), attention logits capped at 5
+    "gemma2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                   attn_logit_softcapping=5.0, query_pre_attn_scalar=16),
 }
 
 
@@ -442,6 +448,8 @@ def random_checkpoint(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[arch]
     fields = dict(shape)
     if arch != "llama":
