@@ -85,58 +85,11 @@ def check_attention_options(window: int | None, softcap: float | None) -> None:
 
 
 def _plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int, window: int | None = None) -> GatherPlan:
-    """Gather plan for the sequences whose query run is at least min_query_len tokens long."""
-    if window is not None:
-        return _window_plan(meta, num_kv_heads, min_query_len, window)
-    cached = meta.plans.torch.get(min_query_len)
-    if cached is not None:
-        return cached
-    bs = meta.block_size
-    tables = meta.block_tables.cpu()
-    starts = [0]
-    for q in meta.query_lens_host:
-        starts.append(starts[-1] + q)
-    decode_seqs = [i for i, q in enumerate(meta.query_lens_host) if q == 1 and q >= min_query_len]
-    decode_seqs.sort(key=lambda i: meta.seq_lens_host[i])
-    buckets: list[list[int]] = []
-    for i in decode_seqs:
-        blocks = -(-meta.seq_lens_host[i] // bs)
-        if buckets and blocks <= _DECODE_BUCKET_GROWTH * -(-meta.seq_lens_host[buckets[-1][0]] // bs) + 1:
-            buckets[-1].append(i)
-        else:
-            buckets.append([i])
-    decode = []
-    for members in buckets:
-        lens = torch.tensor([meta.seq_lens_host[i] for i in members])
-        num_blocks = -(-int(lens.max()) // bs)
-        index = torch.tensor(members)
-        positions = torch.arange(num_blocks * bs)
-        valid = positions[None, :] < lens[:, None]
-        decode.append(
-            _DecodeBucket(
-                token_index=torch.tensor([starts[i] for i in members]),
-                tile_index=_tile_index(tables[index, :num_blocks], num_kv_heads),
-                num_blocks=num_blocks,
-                mask=None if bool(valid.all()) else valid[:, None, None, :],
-            )
-        )
-    prefill = []
-    for i, q in enumerate(meta.query_lens_host):
-        if q == 1 or q < min_query_len:
-            continue
-        seq_len = meta.seq_lens_host[i]
-        num_blocks = -(-seq_len // bs)
-        prefill.append(_PrefillSeq(starts[i], q, seq_len, _tile_index(tables[i : i + 1, :num_blocks], num_kv_heads)))
-    plan = GatherPlan(decode, prefill)
-    meta.plans.torch[min_query_len] = plan
-    return plan
-
-
-def _window_plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int, window: int) -> GatherPlan:
-    """`_plan` for sliding-window layers: each sequence gathers only the blocks its query rows'
-    windows touch (a decode token over a long context reads ceil(window / block_size) + 1
-    blocks, not the whole context), and masks say which gathered positions each row sees."""
-    key = (min_query_len, window)  # beside the full-context plans, which are keyed by min_query_len alone
+    """Gather plan for the sequences whose query run is at least min_query_len tokens long. With a
+    sliding `window`, each sequence gathers only the blocks its query rows' windows touch (a decode
+    token over a long context reads ceil(window / block_size) + 1 blocks, not the whole context),
+    and masks say which gathered positions each row sees."""
+    key = min_query_len if window is None else (min_query_len, window)
     cached = meta.plans.torch.get(key)
     if cached is not None:
         return cached
@@ -148,6 +101,8 @@ def _window_plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int,
 
     def first_block(i: int) -> int:
         # The first query row (position seq_len - query_len) sees back to that minus window - 1.
+        if window is None:
+            return 0
         return max(0, meta.seq_lens_host[i] - meta.query_lens_host[i] - window + 1) // bs
 
     def span(i: int) -> int:  # blocks from first_block(i) to the end of the context
@@ -171,7 +126,9 @@ def _window_plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int,
         # sequence's) and are masked out.
         columns = torch.minimum(firsts[:, None] + torch.arange(num_blocks)[None, :], lasts[:, None])
         positions = firsts[:, None] * bs + torch.arange(num_blocks * bs)[None, :]
-        valid = (positions < lens[:, None]) & (positions >= lens[:, None] - window)
+        valid = positions < lens[:, None]
+        if window is not None:
+            valid &= positions >= lens[:, None] - window
         decode.append(
             _DecodeBucket(
                 token_index=torch.tensor([starts[i] for i in members]),
@@ -187,7 +144,7 @@ def _window_plan(meta: AttentionMetadata, num_kv_heads: int, min_query_len: int,
         seq_len = meta.seq_lens_host[i]
         first = first_block(i)
         tile_index = _tile_index(tables[i : i + 1, first : -(-seq_len // bs)], num_kv_heads)
-        if seq_len <= window:  # no row's window reaches back past position 0: plain causal
+        if window is None or seq_len <= window:  # no row's window reaches back past position 0: plain causal
             prefill.append(_PrefillSeq(starts[i], q, seq_len, tile_index))
             continue
         rows = torch.arange(seq_len - q, seq_len)[:, None]  # each query row's position
