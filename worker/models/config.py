@@ -103,7 +103,6 @@ class ModelArch:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rotary
     tie_word_embeddings: bool
-    sliding_window: int | None  # attention window, if the checkpoint uses one (see layer_windows)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
@@ -137,7 +136,7 @@ class ModelArch:
         is_qwen2 = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and getattr(cfg, "qkv_bias", True))
         eos = getattr(cfg, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
-        sliding = getattr(cfg, "sliding_window", None)
+        sliding = getattr(cfg, "sliding_window", None)  # each layer's: layer_windows
         if arch.startswith("Qwen") and not getattr(cfg, "use_sliding_window", False):
             sliding = None
         return cls(
@@ -157,7 +156,6 @@ class ModelArch:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            sliding_window=int(sliding) if sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=getattr(cfg, "bos_token_id", None),
             moe=_moe_config(cfg, arch),

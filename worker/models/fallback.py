@@ -122,10 +122,9 @@ def fallback_arch(cfg) -> ModelArch:
         rope=rope,
         qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        sliding_window=None,  # honoured per layer by the attention function (transformers passes each layer's)
         eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),)),
         bos_token_id=getattr(cfg, "bos_token_id", None),
-        implementation="transformers",
+        implementation="transformers",  # (layer_windows empty: transformers passes each layer's window)
     )
 
 
