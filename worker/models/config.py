@@ -251,17 +251,22 @@ def _rope_config(cfg) -> RopeConfig:
     return replace(rope, rotary_dim=rotary_dim)
 
 
-def _rope_frequencies(cfg, layer_type: str | None = None) -> RopeConfig:
-    # transformers 5 keeps everything in `rope_parameters`; older configs use rope_theta + rope_scaling.
-    # Gemma 3 keeps one dict per kind of layer there (`layer_type`).
+def rope_parameters(cfg, layer_type: str | None = None) -> tuple[str, dict]:
+    """(rope type, its parameters) of a config. transformers 5 keeps everything in
+    `rope_parameters`; older configs use rope_theta + rope_scaling. Gemma 3 keeps one dict per
+    kind of layer there (`layer_type`)."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if layer_type is not None:
         params = dict(params.get(layer_type) or {})
     scaling = (getattr(cfg, "rope_scaling", None) or {}) if layer_type is None else {}
     for key, value in scaling.items():
         params.setdefault(key, value)
+    return params.get("rope_type", params.get("type", "default")) or "default", params
+
+
+def _rope_frequencies(cfg, layer_type: str | None = None) -> RopeConfig:
+    kind, params = rope_parameters(cfg, layer_type)
     theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=theta, kind="default")
     if kind in _LENGTH_DEPENDENT_ROPE or kind not in ROPE_INIT_FUNCTIONS:

@@ -26,7 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata
-from ferry.worker.models.config import ModelArch, RopeConfig, UnsupportedModelError
+from ferry.worker.models.config import ModelArch, RopeConfig, UnsupportedModelError, rope_parameters
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,7 @@ def _fallback_rope(cfg) -> RopeConfig:
     """transformers rotates q and k itself (each position from position_ids); Ferry refuses only
     the variants a paged cache cannot follow: dynamic NTK re-rotates every key as the sequence
     grows, and LongRoPE switches factors mid-sequence (served natively for Phi-3)."""
-    params = {**(getattr(cfg, "rope_scaling", None) or {}), **(getattr(cfg, "rope_parameters", None) or {})}
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    kind, params = rope_parameters(cfg)
     if kind in ("dynamic", "longrope"):
         raise UnsupportedModelError(f"rope type {kind!r} is not supported under the transformers fallback")
     return RopeConfig(theta=float(params.get("rope_theta", 0.0) or 0.0), kind=kind)
