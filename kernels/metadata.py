@@ -1,7 +1,8 @@
-"""Per-step attention metadata shared by every layer and both attention backends.
+"""Per-step metadata shared by every layer: attention's, and which LoRA adapter each row uses.
 
 The model runner builds one `AttentionMetadata` per engine step; every layer passes the same
-object to `kernels.paged_attention`. The Triton backend reads the device tensors; the PyTorch
+object to `kernels.paged_attention`. Likewise one `LoraMapping` per step, passed by every
+adapted projection to `kernels.add_lora`. The Triton backend reads the device tensors; the PyTorch
 reference (the CPU path) additionally derives a gather plan once per step from the host-side
 lists and caches it on the object, so 30 layers do not re-plan 30 times.
 """
@@ -85,3 +86,38 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )
+
+
+@dataclass
+class LoraMapping:
+    """Which LoRA slot each row of a flat batch uses this step (-1: none, the base model alone).
+
+    Built once per step from a host list; `slot_of_row` serves the Triton kernels (each row reads
+    its own slot's weights), `groups` the grouped CPU path (one product per slot present)."""
+
+    slot_of_row: torch.Tensor  # [num_tokens] int64 on the batch's device; -1 where the row has no adapter
+    groups: list[tuple[int, torch.Tensor]]  # (slot, row indices [n] int64 on device) per slot present, rows ascending
+    all_rows_one_slot: int | None  # the slot when every row uses that same slot (no gather/scatter needed), else None
+
+    @classmethod
+    def build(cls, slot_of_row: list[int], device: torch.device | str = "cpu") -> LoraMapping:
+        """Groups in ascending slot order. The rows of every group are slices of one device tensor,
+        so a step costs two host-to-device copies however many slots it mixes."""
+        if any(slot < -1 for slot in slot_of_row):
+            raise ValueError(f"a LoRA slot is -1 (no adapter) or a slot index, got {min(slot_of_row)}")
+        host = torch.tensor(slot_of_row, dtype=torch.int64)  # [num_tokens]
+        order = torch.argsort(host, stable=True)  # rows by slot, ascending rows within a slot
+        counts = torch.bincount(host + 1).tolist()  # counts[s + 1]: rows of slot s; counts[0]: rows with none
+        order_dev = order.to(device)
+        groups, start = [], counts[0] if counts else 0
+        for slot, count in enumerate(counts[1:]):
+            if count:
+                groups.append((slot, order_dev[start : start + count]))
+                start += count
+        one_slot = groups[0][0] if len(groups) == 1 and groups[0][1].numel() == len(slot_of_row) else None
+        return cls(host.to(device), groups, one_slot)
+
+    @property
+    def active(self) -> bool:
+        """Some row uses an adapter (else `add_lora` has nothing to do)."""
+        return bool(self.groups)

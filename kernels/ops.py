@@ -19,14 +19,16 @@ import torch
 
 from ferry.kernels import reference
 from ferry.kernels.cpu.quantized import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
-from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.metadata import AttentionMetadata, LoraMapping
 from ferry.kernels.stack_layer import StackLayer
 
 __all__ = [
     "AttentionMetadata",
+    "LoraMapping",
     "QuantizedParts",
     "QuantizedWeight",
     "StackLayer",
+    "add_lora",
     "backend_for",
     "decoder_stack",
     "embedding",
@@ -193,6 +195,19 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
     if backend == "triton":
         return _triton().fused_moe(x, w13, w2, topk_weights, topk_ids)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def add_lora(y, x, lora_a, lora_b, mapping: LoraMapping) -> None:
+    """In place, the LoRA term of every adapted row (`reference.add_lora`): y [T, out] +=
+    lora_b[s] @ (lora_a[s] @ x[t]) for each row t with slot s >= 0. Triton: one shrink and one
+    expand launch for the whole batch, whatever mix of adapters; elsewhere the reference's grouped
+    products (one per slot present), which is the CPU implementation."""
+    if not mapping.active:
+        return
+    if backend_for(x) == "triton":
+        _triton().add_lora(y, x, lora_a, lora_b, mapping)
+        return
+    reference.add_lora(y, x, lora_a, lora_b, mapping)
 
 
 def pack_experts(weights: torch.Tensor):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferry.kernels.metadata import AttentionMetadata
+from ferry.kernels.metadata import AttentionMetadata, LoraMapping
 
 # Decode sequences are padded to the longest one in their bucket; a new bucket starts when a
 # sequence is this much longer (in blocks) than the bucket's shortest, which bounds the padding.
@@ -353,7 +353,6 @@ def rotary_and_write_kv(
     return q
 
 
-
 def expert_groups(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -388,3 +387,39 @@ def fused_moe(
         hidden = silu_and_mul(F.linear(x[rows], w13[expert]))
         out.index_add_(0, rows, (F.linear(hidden, w2[expert]) * weights[:, None]).to(out.dtype))
     return out
+
+
+def lora_delta(
+    x: torch.Tensor,  # [n, in]
+    a: torch.Tensor,  # [R, in]: one slot's lora_a
+    b: torch.Tensor,  # [out, R]: one slot's lora_b, scaling folded in
+) -> torch.Tensor:  # [n, out], x's dtype
+    """b @ (a @ x) per row. 16-bit inputs are multiplied in float32 and rounded once at the end:
+    the [n, R] intermediate is never rounded, so the sum with the base output stays close to a
+    merged-weight product (float32 inputs take no copy)."""
+    compute = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    shrunk = F.linear(x.to(compute), a.to(compute))  # [n, R]
+    return F.linear(shrunk, b.to(compute)).to(x.dtype)
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, out]: the base projection's output, updated in place
+    x: torch.Tensor,  # [T, in]: the projection's input
+    lora_a: torch.Tensor,  # [num_slots, R, in]
+    lora_b: torch.Tensor,  # [num_slots, out, R]
+    mapping: LoraMapping,
+) -> None:
+    """In place: y[t] += lora_b[s] @ (lora_a[s] @ x[t]) for every row t whose slot s = mapping.slot_of_row[t] >= 0.
+    y: [T, out]; x: [T, in]; lora_a: [num_slots, R, in]; lora_b: [num_slots, out, R]; all one dtype
+    (the model's: float32, bfloat16, float16). The scaling (alpha / r) is already folded into lora_b by the
+    caller; ranks below R are zero-padded, and a fused projection (q|k|v) uses a block-diagonal lora_b, so the
+    kernel needs to know nothing about either.
+
+    Grouped ("SGMV"): one pair of products per slot present, on that slot's rows gathered once;
+    rows without an adapter are neither read nor written."""
+    if mapping.all_rows_one_slot is not None:
+        slot = mapping.all_rows_one_slot
+        y += lora_delta(x, lora_a[slot], lora_b[slot])
+        return
+    for slot, rows in mapping.groups:
+        y.index_add_(0, rows, lora_delta(x.index_select(0, rows), lora_a[slot], lora_b[slot]))

@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 
 from ferry.kernels.metadata import AttentionMetadata
 from ferry.kernels.triton.fused_moe_kernel import _down_kernel, _gate_up_kernel
+from ferry.kernels.triton.lora_kernel import Tiles, _expand_kernel, _shrink_kernel
 from ferry.kernels.triton.paged_attention_kernel import _launch_config, _merge_splits_kernel, _paged_attention_kernel
 from ferry.kernels.triton.rms_norm_kernel import _rms_norm_kernel
 from ferry.kernels.triton.rotary_kernel import _rotary_kernel
@@ -129,3 +130,17 @@ def test_fused_moe_compiles(block_m, dtype, capability):
         compiled = compile_for(capability, kernel, constexprs | extra, pointers, num_warps=4, num_stages=3)
         if not fp32:
             assert ("wgmma" in compiled.asm["ptx"]) or ("mma.sync" in compiled.asm["ptx"])  # tensor cores in use
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("rank", [8, 48, 256], ids=["r8", "qkv_r48", "r256"])
+def test_lora_compiles(rank, dtype, capability):
+    """Shrink and expand with the tile sizes `add_lora` picks for the rank, at a decode's 8 splits."""
+    tiles = Tiles.for_rank(rank)
+    pointers = {"s_ptr": "*fp32", "slot_ptr": "*i64"}
+    pointers.update(dict.fromkeys(("x_ptr", "a_ptr", "y_ptr", "b_ptr"), dtype))
+    shrink = dict(SPLIT_K=8, R_PAD=tiles.r_pad, BLOCK_K=tiles.block_k)
+    compile_for(capability, _shrink_kernel, shrink, pointers, num_warps=4)
+    expand = dict(SPLIT_K=8, R_PAD=tiles.r_pad, BLOCK_N=tiles.block_n)
+    compile_for(capability, _expand_kernel, expand, pointers, num_warps=4)
