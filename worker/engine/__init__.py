@@ -8,10 +8,12 @@ from ferry.worker.engine.errors import (
     InvalidResumeError,
     InvalidSamplingParams,
     InvalidStructuredOutputError,
+    LoraAdapterError,
     PromptTooLongError,
     RequestFailedError,
 )
 from ferry.worker.engine.llm import LLM
+from ferry.worker.engine.lora import LoRARequest
 from ferry.worker.engine.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from ferry.worker.engine.parallel.group import RankFailedError
 from ferry.worker.engine.resume import Resume
@@ -32,6 +34,8 @@ __all__ = [
     "InvalidSamplingParams",
     "InvalidStructuredOutputError",
     "Logprob",
+    "LoRARequest",
+    "LoraAdapterError",
     "PromptTooLongError",
     "RankFailedError",
     "RequestFailedError",

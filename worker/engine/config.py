@@ -100,6 +100,13 @@ class EngineConfig:
     # implements the architecture, else the transformers fallback (worker/models/fallback.py);
     # "ferry" = native or refuse; "transformers" = the fallback even for a native architecture
     model_impl: str = "auto"
+    # LoRA adapters (docs/lora.md): requests name an adapter (LoRARequest) and rows of different
+    # adapters and of none share a step. max_loras adapters sit in device slots at once (LRU),
+    # max_cpu_loras (default max(4 * max_loras, 16)) stay loaded in host memory; ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -127,3 +134,14 @@ class EngineConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)
+        if not 1 <= self.max_loras <= 256:
+            raise ValueError(f"max_loras must be in [1, 256], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def host_lora_capacity(self) -> int:
+        """Adapters kept loaded in host memory (max_cpu_loras, or its default)."""
+        return self.max_cpu_loras or max(4 * self.max_loras, 16)

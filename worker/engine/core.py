@@ -17,6 +17,7 @@ from ferry.worker.engine.config import EngineConfig
 from ferry.worker.engine.errors import InvalidStructuredOutputError, RequestFailedError
 from ferry.worker.engine.kv_cache import KVCacheManager, KVUsage
 from ferry.worker.engine.loading import LoadedModel
+from ferry.worker.engine.lora.manager import LoraManager
 from ferry.worker.engine.model_runner import StepOutput
 from ferry.worker.engine.outputs import FinishReason, PositionLogprobs
 from ferry.worker.engine.request import Request
@@ -76,11 +77,16 @@ class EngineCore:
                                    model.arch.vocab_size)
             )
             self.spec = SpecDecoder(spec, proposer, model.max_model_len)
+        self.lora = None if not config.enable_lora else LoraManager(
+            model.executor, model.arch, model.dtype, model.model_salt, config.max_loras, config.max_lora_rank,
+            config.host_lora_capacity, config.model_cache_dir,
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or (4096 if model.device.type == "cuda" else 512),
             watermark_blocks=min(model.num_blocks // 100, 8),
+            lora=self.lora,
         )
         self._compiling: dict[str, Request] = {}  # requests whose grammar is compiling, by id
         self._ended: list[Request] = []  # finished between steps, reported by the next one
@@ -95,8 +101,11 @@ class EngineCore:
         if request.length_reached(self.max_model_len):
             self.finish(request, FinishReason.LENGTH)
             self._ended.append(request)
-        elif request.grammar is not None:  # waits in the scheduler until compiled
-            self._compiling[request.request_id] = request
+        else:
+            if request.grammar is not None:  # waits in the scheduler until compiled
+                self._compiling[request.request_id] = request
+            if request.lora is not None:  # waits until its adapter is in memory
+                self.lora.prepare(request)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now (False if it is not here); the next step reports it as ABORT."""
@@ -137,6 +146,8 @@ class EngineCore:
         schedule this step."""
         if self._compiling:
             self._start_grammars()
+        if self.lora is not None:
+            self._start_loras()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         return self.scheduler.schedule()
@@ -149,6 +160,8 @@ class EngineCore:
         if sched.is_empty:
             if self._compiling:  # nothing else to do: give the compiles the CPU rather than spin
                 wait([r.grammar.compiled for r in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
+            elif self.lora is not None:  # likewise for adapters loading
+                self.lora.wait(_COMPILE_WAIT_S)
             return out
         result = self.executor.execute(sched)
         if self.spec is not None:
@@ -166,6 +179,12 @@ class EngineCore:
             except InvalidStructuredOutputError as exc:
                 self.finish(request, FinishReason.ERROR, error=exc)
                 self._ended.append(request)
+
+    def _start_loras(self) -> None:
+        """Take in the adapters that finished loading; fail the requests whose adapter did not."""
+        for request, error in self.lora.poll(self.scheduler.waiting):
+            self.finish(request, FinishReason.ERROR, error=error)
+            self._ended.append(request)
 
     def _update(self, sched: SchedulerOutput, result: StepOutput, out: CoreOutput) -> None:
         """Count the computed tokens; a request whose sampling failed ends alone, with ERROR."""

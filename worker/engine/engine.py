@@ -14,9 +14,11 @@ from dataclasses import fields
 
 from ferry.worker.engine.config import EngineConfig
 from ferry.worker.engine.core import EngineCore, EngineStats
+from ferry.worker.engine.errors import LoraAdapterError
 from ferry.worker.engine.input_processor import InputProcessor
 from ferry.worker.engine.kv_cache import KVUsage
 from ferry.worker.engine.loading import load
+from ferry.worker.engine.lora import LoRARequest
 from ferry.worker.engine.output_processor import OutputProcessor
 from ferry.worker.engine.outputs import Logprob, RequestOutput
 from ferry.worker.engine.prefix_io import PrefixBlocks
@@ -31,7 +33,7 @@ class Engine:
         """`model`: an HF directory or a cached hub id; `kwargs`: the other `EngineConfig` fields."""
         self.config = EngineConfig(model=str(model), **kwargs)
         loaded = load(self.config)
-        self.inputs = InputProcessor(loaded, self.config.structured_outputs_cache_size)
+        self.inputs = InputProcessor(loaded, self.config.structured_outputs_cache_size, self.config.enable_lora)
         self.core = EngineCore(self.config, loaded)
         self.outputs = OutputProcessor(self.core, loaded.tokenizer, loaded.max_model_len)
 
@@ -70,6 +72,7 @@ class Engine:
         arrival_time: float | None = None,
         resume: Resume | None = None,
         background: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. `priority`: lower is served first and preempted last. `background`:
         background work (a batch's line), which steps aside while foreground prompts prefill.
@@ -78,12 +81,17 @@ class Engine:
         it continues as an uninterrupted run would have (see `worker.engine.resume`), and one
         whose earlier tokens already reach its end comes out of the next step finished, LENGTH.
 
+        `lora_request`: the LoRA adapter it runs with (enable_lora=True); loaded in the background
+        when the engine does not hold it yet (the request waits meanwhile). An adapter that fails to
+        load ends the request alone, FinishReason.ERROR with a LoraAdapterError.
+
         Raises an `EngineInputError` (worker.engine.errors) for what it refuses: InvalidPromptError,
-        PromptTooLongError, InvalidSamplingParams, InvalidStructuredOutputError, InvalidResumeError;
+        PromptTooLongError, InvalidSamplingParams, InvalidStructuredOutputError, InvalidResumeError,
+        LoraAdapterError (LoRA is off);
         a ValueError for a request id already here; TypeError for params that are no SamplingParams.
         Nothing of a refused request stays behind."""
         request, detokenizer = self.inputs.process(
-            request_id, prompt, params, priority, arrival_time, resume, background
+            request_id, prompt, params, priority, arrival_time, resume, background, lora_request
         )
         self.core.add_request(request)
         self.outputs.add_request(request, detokenizer)
@@ -99,9 +107,30 @@ class Engine:
         return self.outputs.process(executed)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do at tensor_parallel_size=1). The engine
-        cannot step afterwards. Idempotent."""
+        """Stop the tensor-parallel ranks (nothing to do at tensor_parallel_size=1) and the adapter
+        loader. The engine cannot step afterwards. Idempotent."""
+        if self.core.lora is not None:
+            self.core.lora.close()
         self.executor.close()
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter into host memory now (vLLM's add_lora): LoraAdapterError names what is
+        wrong with it (LoRA off, files missing or corrupt, rank over max_lora_rank, targets Ferry
+        does not adapt, another base model's shapes)."""
+        if self.core.lora is None:
+            raise LoraAdapterError(f"LoRA adapter {lora_request.lora_name!r}: this engine runs without LoRA "
+                                   "(enable_lora=False)")
+        self.core.lora.load_now(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter from memory (a running request keeps its slot until it ends)."""
+        return self.core.lora is not None and self.core.lora.remove(lora_name)
+
+    def loras_held(self) -> list[str]:
+        """The adapters this engine holds in host memory or in a device slot, by name."""
+        return [] if self.core.lora is None else self.core.lora.held()
 
     # --- prompts ---------------------------------------------------------------------------------
 

@@ -39,6 +39,13 @@ class InvalidResumeError(EngineInputError):
     whose text already ends the request with a stop string."""
 
 
+class LoraAdapterError(EngineInputError):
+    """A LoRA adapter the engine cannot serve: LoRA is off, its files are missing or corrupt, its
+    rank is over max_lora_rank, it targets modules Ferry does not adapt, or its shapes are another
+    base model's. The message names the adapter and the cause. Raised by `Engine.add_lora` and
+    `add_request`; a request whose adapter fails to load in the background ends alone with it."""
+
+
 class RequestFailedError(RuntimeError):
     """One request's own processing raised during a step (its detokenizer, its grammar, its
     sampling adjustments): it ended with `FinishReason.ERROR`, the rest of the batch went on.

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from ferry.worker.engine.model_runner import ModelRunner, SeqChunk, StepOutput
 from ferry.worker.engine.parallel.group import RankFailedError, RankGroup
-from ferry.worker.engine.parallel.wire import Op, pack_chunks
+from ferry.worker.engine.parallel.wire import Op, pack_chunks, pack_lora
 from ferry.worker.engine.scheduler import SchedulerOutput
 from ferry.worker.models.config import ModelArch
-from ferry.worker.models.sharding import Shard, TensorParallelError, check_divisible, holds_kv_heads
+from ferry.worker.models.lora_layers import clear_slot, write_slot
+from ferry.worker.models.sharding import UNSHARDED, Shard, TensorParallelError, check_divisible, holds_kv_heads
 
 
 def check_tensor_parallel(arch: ModelArch, size: int, device: torch.device, quantization: str | None) -> None:
@@ -70,6 +71,13 @@ class Executor:
         """Fill these blocks with `kv` (read_blocks' shape)."""
         pool = self.runner.kv_cache
         pool.index_copy_(2, torch.tensor(block_ids, device=pool.device), kv.to(pool.device))
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Put a loaded adapter (lora.manager.LoadedAdapter) into device slot `slot`."""
+        write_slot(self.runner.model, slot, adapter.weights, self.runner.arch, UNSHARDED)
+
+    def clear_lora(self, slot: int) -> None:
+        clear_slot(self.runner.model, slot)
 
     def close(self) -> None:
         """Nothing to stop in one process."""
@@ -138,6 +146,23 @@ class ParallelExecutor(Executor):
         except Exception as exc:
             raise self.group.fail(exc) from exc
         pool.index_copy_(2, ids.to(pool.device), full[:, :, :, : pool.shape[3]])
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Every rank its shard of the adapter: the others read it from the same local files."""
+        self._send_lora(slot, str(adapter.directory))
+        write_slot(self.runner.model, slot, adapter.weights, self.arch, self.group.shard)
+
+    def clear_lora(self, slot: int) -> None:
+        self._send_lora(slot, None)
+        clear_slot(self.runner.model, slot)
+
+    def _send_lora(self, slot: int, directory: str | None) -> None:
+        try:
+            self.group.send(Op.LORA, pack_lora(slot, directory))
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            raise self.group.fail(exc) from exc
 
     def close(self) -> None:
         self.group.close()

@@ -20,10 +20,12 @@ from ferry.worker.engine.errors import (
     InvalidResumeError,
     InvalidSamplingParams,
     InvalidStructuredOutputError,
+    LoraAdapterError,
     PromptTooLongError,
 )
 from ferry.worker.engine.kv_cache import cache_extra
 from ferry.worker.engine.loading import LoadedModel
+from ferry.worker.engine.lora import LoRARequest
 from ferry.worker.engine.outputs import RequestMetrics
 from ferry.worker.engine.request import Request
 from ferry.worker.engine.resume import Resume
@@ -34,7 +36,8 @@ from ferry.worker.engine.structured.reasoning import ReasoningGate
 
 
 class InputProcessor:
-    def __init__(self, model: LoadedModel, structured_outputs_cache_size: int) -> None:
+    def __init__(self, model: LoadedModel, structured_outputs_cache_size: int, lora_enabled: bool = False) -> None:
+        self.lora_enabled = lora_enabled  # requests may name an adapter
         self.tokenizer = model.tokenizer  # None: prompts must be token ids
         self.vocab_size = model.arch.vocab_size  # every token id must be below it
         self.max_model_len = model.max_model_len
@@ -94,12 +97,18 @@ class InputProcessor:
         arrival_time: float | None,
         resume: Resume | None,
         background: bool,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[Request, IncrementalDetokenizer | None]:
         """The request (its params resolved against the model's defaults, a resume's tokens
         already its output) and its detokenizer (None without a tokenizer)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
+        if lora_request is not None and not self.lora_enabled:
+            raise LoraAdapterError(f"LoRA adapter {lora_request.lora_name!r}: this engine runs without LoRA "
+                                   "(enable_lora=False)")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError("lora_request must be a LoRARequest")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -123,6 +132,7 @@ class InputProcessor:
             cache_extra=cache_extra(self.model_salt, params.cache_salt),
             background=bool(background),
             bad_words_token_ids=self.bad_words_token_ids(params.bad_words or []),
+            lora=lora_request,
         )
         if resumed:
             request.output_token_ids = resumed

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from ferry.worker.engine.engine import Engine
+from ferry.worker.engine.lora import LoRARequest
 from ferry.worker.engine.outputs import CompletionOutput, RequestOutput
 from ferry.worker.engine.sampling_params import SamplingParams
 
@@ -36,8 +37,11 @@ class LLM:
         prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (strings or token-id lists); results come back in input order."""
+        """Generate for every prompt (strings or token-id lists); results come back in input order.
+        `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model);
+        the engine needs enable_lora=True."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -51,13 +55,19 @@ class LLM:
                 raise ValueError(
                     f"{len(params)} sampling_params for {len(prompts)} prompts: give one or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts: give one or one per prompt")
         ids = []
         prompt_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         try:
-            for tokens, p in zip(prompt_ids, params, strict=True):
+            for tokens, p, lora in zip(prompt_ids, params, loras, strict=True):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, tokens, p)
+                self.engine.add_request(request_id, tokens, p, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # a bad prompt in the list leaves nothing half-queued
@@ -67,13 +77,14 @@ class LLM:
         return self._run(ids, prompts, prompt_ids, use_tqdm)
 
     def chat(
-        self, conversations: Sequence[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True
+        self, conversations: Sequence[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[CompletionOutput]:
         """Generate replies to chats rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # one conversation
         prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
         self, ids: list[str], prompts: list, prompt_ids: list[list[int]], use_tqdm: bool

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ferry.worker.engine.config import EngineConfig
+from ferry.worker.engine.errors import LoraAdapterError
 from ferry.worker.engine.executor import Executor, ParallelExecutor, check_tensor_parallel
 from ferry.worker.engine.kv_budget import kv_budget_bytes
 from ferry.worker.engine.model_runner import ModelRunner
@@ -28,6 +29,7 @@ from ferry.worker.engine.spec.proposers import load_draft
 from ferry.worker.models.config import ModelArch, UnsupportedModelError
 from ferry.worker.models.fallback import fallback_arch
 from ferry.worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
+from ferry.worker.models.lora_layers import attach_lora
 from ferry.worker.models.quantization import Quantization, resolve_quantization
 from ferry.worker.models.sharding import UNSHARDED, local_arch
 from ferry.worker.protocol.sampling import MODEL_DEFAULTS
@@ -73,6 +75,9 @@ def load(config: EngineConfig) -> LoadedModel:
 
     tp = config.tensor_parallel_size
     check_tensor_parallel(arch, tp, device, config.quantization)  # before any weight is read
+    if config.enable_lora and arch.implementation == "transformers":
+        raise LoraAdapterError(f"enable_lora: {arch.architecture} runs on the transformers fallback, which takes no "
+                               "LoRA adapters (Ferry's native decoder does)")
     if tp > 1 and device.type == "cuda":
         device = torch.device("cuda", 0)  # rank r runs on cuda:r
     # Quantized weights load on one rank only: the format's default at tensor_parallel_size > 1 is float.
@@ -82,6 +87,7 @@ def load(config: EngineConfig) -> LoadedModel:
         model_dir=str(model_dir), arch=arch, dtype=dtype, device_type=device.type, max_model_len=max_model_len,
         block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
         size=tp, num_threads=torch.get_num_threads(), store_port=0, timeout_s=config.tensor_parallel_timeout_s,
+        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
     )
     group = RankGroup(spec) if tp > 1 else None  # the other ranks load their shards meanwhile
     try:
@@ -189,6 +195,8 @@ def _start_executor(config: EngineConfig, spec: RankSpec, device: torch.device, 
     shard = UNSHARDED if group is None else group.shard
     arch, dtype, block_size, max_model_len = spec.arch, spec.dtype, spec.block_size, spec.max_model_len
     model = load_model(Path(spec.model_dir), arch, dtype, device, max_model_len, quantization, shard)
+    if spec.lora_slots is not None:  # after the weights are packed: the slots wrap the packed projections
+        attach_lora(model, *spec.lora_slots)
     draft = None
     if config.speculative is not None and config.speculative.method == "draft":  # whole, on rank 0
         draft = load_draft(config.speculative.draft_model, arch, tokenizer, dtype, device, max_model_len,

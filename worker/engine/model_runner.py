@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ferry.kernels.metadata import LoraMapping
 from ferry.kernels.ops import AttentionMetadata
 from ferry.worker.engine.outputs import Logprob, PositionLogprobs
 from ferry.worker.engine.sampler import SamplerOutput, sample
@@ -29,6 +30,7 @@ class SeqChunk:
     # alone (the other tensor-parallel ranks compute no logits)
     num_prompt_logits: int = 0
     long_rope: bool = False  # LongRoPE: the sequence is past the switch, rotate with the long factors
+    lora_slot: int = -1  # the device slot of its LoRA adapter; -1: the base model
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class ModelInput:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of its KV slot
     attention: AttentionMetadata  # query_start_loc, seq_lens, block_tables (shared by all layers)
     logits_indices: torch.Tensor  # [num_logits] int64: rows whose logits are computed (a chunk's prompt rows first)
+    lora: LoraMapping | None = None  # each row's adapter slot; None: no row has an adapter
 
 
 @dataclass(slots=True)
@@ -78,7 +81,12 @@ class ModelRunner:
         slots: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logits_indices: list[int] = []
+        lora_slots: list[int] | None = None  # per row; None while no chunk has an adapter
         for chunk in chunks:
+            if chunk.lora_slot >= 0 and lora_slots is None:
+                lora_slots = [-1] * len(input_ids)
+            if lora_slots is not None:
+                lora_slots.extend([chunk.lora_slot] * len(chunk.token_ids))
             start, end = chunk.start, chunk.start + len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
             positions.extend(rope_table_rows(self.arch.rope, start, end, chunk.long_rope, self._rope_half))
@@ -99,6 +107,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             attention=attention,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            lora=LoraMapping.build(lora_slots, dev) if lora_slots is not None else None,
         )
 
     @torch.inference_mode()
@@ -106,6 +115,9 @@ class ModelRunner:
         """Run the decoder over one flat batch (writing every chunk's KV): its inputs and the
         [num_tokens, hidden] final-normed hidden states. A tensor-parallel rank other than 0 stops here."""
         inputs = self.prepare(chunks)
+        lora = getattr(self.model, "lora", None)
+        if lora is not None:
+            lora.set(inputs.lora)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.slot_mapping, inputs.attention)
         return inputs, hidden
 
@@ -131,7 +143,8 @@ class ModelRunner:
             # Rows at positions start .. P-2 score the prompt token after them (P-1's row samples).
             scores_prompt = request.prompt_logprobs is not None
             num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start) if scores_prompt else 0
-            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits, num_prompt, request.rope_long))
+            chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits, num_prompt, request.rope_long,
+                                   request.lora_slot))
             if num_logits:
                 sampling.append(request)
             if num_prompt:

@@ -12,6 +12,7 @@ from ferry.worker.engine.outputs import FinishReason, PositionLogprobs, RequestM
 from ferry.worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ferry.worker.engine.lora import LoRARequest
     from ferry.worker.engine.structured import GrammarState
 
 
@@ -86,6 +87,9 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding (unused when it is off)
     grammar: GrammarState | None = None  # structured outputs: its compile, then its matcher; None = unconstrained
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    lora_ready: bool = False  # its adapter is in host memory and its cache namespace set (lora.manager)
+    lora_slot: int = -1  # the device slot its adapter is in while it runs; -1: none
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -121,6 +125,16 @@ class Request:
     def awaiting_grammar(self) -> bool:
         """Its grammar is still compiling: the scheduler leaves it waiting."""
         return self.grammar is not None and not self.grammar.ready
+
+    @property
+    def awaiting_lora(self) -> bool:
+        """Its adapter is still loading: the scheduler leaves it waiting."""
+        return self.lora is not None and not self.lora_ready
+
+    @property
+    def held_back(self) -> bool:
+        """Something it needs is not ready yet (a grammar, an adapter): it waits, holding no one up."""
+        return self.awaiting_grammar or self.awaiting_lora
 
     @property
     def is_finished(self) -> bool:

@@ -16,6 +16,12 @@ Background work steps aside for foreground prompts: a step that prefills a reque
 requests and admits none of the waiting ones. Those running keep their blocks and simply compute
 nothing for one step, so the live prompt's first token costs its own prefill, not a step of 64
 batch decodes.
+
+A request with a LoRA adapter is admitted only once its adapter is in memory (until then it is
+`held_back`, like one whose grammar compiles) and holds a device slot (`LoraManager.acquire`),
+released when it finishes or is preempted. When an adapter finds every slot busy, later requests
+for other adapters wait behind it, so the busy slots drain instead of being refilled for ever;
+requests for the base model are admitted as usual.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.lora.manager import LoraManager
 from ferry.worker.engine.outputs import FinishReason
 from ferry.worker.engine.request import Request, RequestStatus
 
@@ -53,6 +60,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
+        lora: LoraManager | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -62,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.lora = lora  # adapters' device slots: a request runs only with its adapter in one
 
     # --- queue management --------------------------------------------------------------------
 
@@ -80,6 +89,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -102,7 +112,7 @@ class Scheduler:
             return True
         wanted = sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
         for r in self.waiting:
-            if r.awaiting_grammar:
+            if r.held_back:
                 continue
             wanted += r.num_tokens - self.kv.lookup_prefix(r).num_tokens
             if wanted >= self.max_num_batched_tokens:
@@ -160,9 +170,16 @@ class Scheduler:
         if not pool_was_short and budget > 0:
             budget += self._make_room_for_priority(out, budget)
         index = 0
+        slots_full = False  # an adapter found no free slot: later adapters' requests wait behind it
         while not pool_was_short and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
-            if request.awaiting_grammar or (stands_aside and request.background):  # admitted in a later step
+            if request.held_back or (stands_aside and request.background):  # admitted in a later step
+                index += 1
+                continue
+            if request.lora is not None and (slots_full or not self.lora.acquire(request)):
+                # Every slot serves running requests of other adapters. Admitting more of those
+                # would keep the slots busy for ever; they drain, and the first slot freed is this one's.
+                slots_full = True
                 index += 1
                 continue
             if request.crossed_long_rope_switch:  # preempted just as it grew past the switch: holds no KV
@@ -170,6 +187,7 @@ class Scheduler:
             prefix = self.kv.lookup_prefix(request)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if self.kv.allocate(request, num_new, prefix, reserve=self.watermark_blocks) is None:
+                self._release_lora(request)
                 break  # head of line waits: admitting lower-priority requests first would invert order
             self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
@@ -192,13 +210,13 @@ class Scheduler:
             return False
         if any(not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
             return True
-        return any(not r.background and not r.awaiting_grammar for r in self.waiting)
+        return any(not r.background and not r.held_back for r in self.waiting)
 
     def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> int:
         """Preempt lower-priority running requests, lowest and latest first, until the
         highest-priority waiting request has a sequence slot and the blocks for this step's
         share of its prompt. Returns the budget given back."""
-        head = next((r for r in self.waiting if not r.awaiting_grammar), None)
+        head = next((r for r in self.waiting if not r.held_back), None)
         if head is None:
             return 0
         prefix = self.kv.lookup_prefix(head)
@@ -222,6 +240,7 @@ class Scheduler:
         """Send a running request back to waiting (recompute later). Returns budget given back."""
         self.running.remove(victim)
         self.kv.free(victim)
+        self._release_lora(victim)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
         victim.spec.clear()
@@ -243,6 +262,7 @@ class Scheduler:
         (not counted as one)."""
         self.running.remove(request)
         self.kv.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.spec.clear()
@@ -255,6 +275,10 @@ class Scheduler:
         """From now on the request's KV is rotated with the long factors, in their own namespace."""
         request.rope_long, request.cache_extra = True, request.long_rope_cache_extra
         request.block_keys.clear()
+
+    def _release_lora(self, request: Request) -> None:
+        if self.lora is not None:
+            self.lora.release(request)
 
     def _enqueue(self, request: Request) -> None:
         keys = [r.sort_key() for r in self.waiting]

@@ -327,6 +327,16 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     return torch.tensor(first + second)
 
 
+def reorder_rotary_rows(rows: torch.Tensor, arch: ModelArch) -> None:
+    """In place: the q and k heads' rows of a fused q/k/v tensor ([q + 2 kv rows, ...]: float
+    weights, a bias, or a GGUF's raw blocks, whose blocks run along a row) in partial_rotary_order."""
+    d = arch.head_dim
+    order = partial_rotary_order(d, arch.rope.rotary_dim)
+    for start, heads in ((0, arch.num_heads), (arch.num_heads * d, arch.num_kv_heads)):
+        block = rows[start : start + heads * d]  # [heads * d, ...] of one projection
+        block.copy_(block.reshape(heads, d, *block.shape[1:])[:, order].reshape(block.shape))
+
+
 def rope_table_rows(rope: RopeConfig, start: int, end: int, long: bool, max_positions: int) -> range:
     """The rows of rope_cos_sin_cache that rotate positions start .. end-1 of a sequence: the
     positions themselves, or with LongRoPE, once the sequence is longer than original_max_positions

@@ -18,12 +18,16 @@ from torch import nn
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata, QuantizedParts, QuantizedWeight
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
+from ferry.worker.models.lora_layers import LoraContext, LoraLinear
 from ferry.worker.models.moe import Experts, SparseMoe
 from ferry.worker.models.sharding import UNSHARDED, Shard, local_arch
 
 
-def _linear(layer: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    """The layer's product through the kernel dispatch (a packed layer's through the CPU kernel)."""
+def _linear(layer: nn.Linear | PackedLinear | LoraLinear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's product through the kernel dispatch (a packed layer's through the CPU kernel;
+    with LoRA slots, plus each row's adapter update)."""
+    if isinstance(layer, LoraLinear):
+        return layer(x)
     return ops.linear(x, layer.weight, layer.bias)
 
 
@@ -219,6 +223,7 @@ class LlamaModel(nn.Module):
         self.embed_scale = None if arch.gemma is None else arch.hidden_size**0.5
         self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
         self.native_stack = None  # every layer as one native call for decode steps, once pack_weights() ran
+        self.lora: LoraContext | None = None  # the step's adapter rows, once lora_layers.attach_lora() ran
         # The native stack attends over whole contexts: it runs steps whose contexts fit every window.
         windows = [w for w in arch.layer_windows if w is not None]
         self._stack_max_seq_len = min(windows, default=float("inf"))
@@ -313,7 +318,9 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         residual = None
         with ops.pinned_backend(x) as backend:
-            if self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len:
+            adapted = self.lora is not None and self.lora.active  # (the native stack has no adapter slots)
+            if (self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len
+                    and not adapted):
                 hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta)
                 if hidden is not None:  # a decode / verification step: all layers in one call
                     return hidden

@@ -16,7 +16,13 @@ from tqdm import tqdm
 
 from ferry.kernels.ops import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
 from ferry.worker.models.bundled import bundled_model_file
-from ferry.worker.models.config import ModelArch, UnsupportedModelError, partial_rotary_order, rope_cos_sin_cache
+from ferry.worker.models.config import (
+    ModelArch,
+    UnsupportedModelError,
+    partial_rotary_order,
+    reorder_rotary_rows,
+    rope_cos_sin_cache,
+)
 from ferry.worker.models.errors import ModelNotFoundError, ModelSourceError
 from ferry.worker.models.expert_weights import ExpertPart, expert_dest, expert_slices, map_expert_name, router_name
 from ferry.worker.models.fallback import load_fallback_model
@@ -321,20 +327,10 @@ def _reorder_for_partial_rotary(model: LlamaModel, local: ModelArch) -> None:
         attn = layer.self_attn
         for tensor in (attn.qkv_proj.weight, attn.qkv_proj.bias):
             if isinstance(tensor, torch.Tensor):  # not: no bias, or a GGUF's kept blocks (reordered as packed)
-                _reorder_rotary_rows(tensor.data, local)
+                reorder_rotary_rows(tensor.data, local)
         for norm in (attn.q_norm, attn.k_norm):
             if norm is not None:
                 norm.data.copy_(norm.data[order])
-
-
-def _reorder_rotary_rows(rows: torch.Tensor, arch: ModelArch) -> None:
-    """In place: the q and k heads' rows of a fused q/k/v tensor ([q + 2 kv rows, ...]: float
-    weights, a bias, or a GGUF's raw blocks, whose blocks run along a row) in partial_rotary_order."""
-    d = arch.head_dim
-    order = partial_rotary_order(d, arch.rope.rotary_dim)
-    for start, heads in ((0, arch.num_heads), (arch.num_heads * d, arch.num_kv_heads)):
-        block = rows[start : start + heads * d]  # [heads * d, ...] of one projection
-        block.copy_(block.reshape(heads, d, *block.shape[1:])[:, order].reshape(block.shape))
 
 
 def checkpoint_tensors(
@@ -383,7 +379,7 @@ def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, 
         if len(qtypes) == 1:
             blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
             if reorder:  # Phi-3's fused q/k/v under partial rotary
-                _reorder_rotary_rows(blocks, arch)
+                reorder_rotary_rows(blocks, arch)
             kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
         else:
             kept[target] = QuantizedParts(tuple(

@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from ferry.worker.engine.kv_budget import kv_budget_bytes
 from ferry.worker.engine.model_runner import ModelRunner
-from ferry.worker.engine.parallel.wire import Op, RankSpec, unpack_chunks
+from ferry.worker.engine.parallel.wire import Op, RankSpec, unpack_chunks, unpack_lora
 from ferry.worker.models.loader import load_model
+from ferry.worker.models.lora_adapter import read_adapter
+from ferry.worker.models.lora_layers import attach_lora, clear_slot, write_slot
 from ferry.worker.models.sharding import Shard, first_kv_head, local_arch
 
 CONTROL_TIMEOUT = timedelta(days=365)  # the control group waits for rank 0's next message however idle it is
@@ -50,6 +52,8 @@ def rank_main(spec: RankSpec, rank: int, conn) -> None:
         control = join_group(spec, rank)
         shard = Shard(rank, spec.size)
         model = load_model(Path(spec.model_dir), spec.arch, spec.dtype, device, spec.max_model_len, shard=shard)
+        if spec.lora_slots is not None:
+            attach_lora(model, *spec.lora_slots)
         local = local_arch(spec.arch, shard)
         per_block = ModelRunner.bytes_per_block(local, spec.block_size, spec.dtype)
         ranks_per_host = spec.size if device.type == "cpu" else 1
@@ -62,11 +66,12 @@ def rank_main(spec: RankSpec, rank: int, conn) -> None:
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
-    _serve(runner, control, first_kv_head(spec.arch, shard), spec.arch.num_kv_heads)
+    _serve(runner, control, first_kv_head(spec.arch, shard), spec.arch.num_kv_heads, spec, shard)
     dist.destroy_process_group()
 
 
-def _serve(runner: ModelRunner, control: dist.ProcessGroup, kv_head0: int, num_kv_heads: int) -> None:
+def _serve(runner: ModelRunner, control: dist.ProcessGroup, kv_head0: int, num_kv_heads: int, spec: RankSpec,
+           shard: Shard) -> None:
     header = torch.empty(2, dtype=torch.int64)
     pool = runner.kv_cache  # [layers, 2, blocks, local kv heads, block size, head dim]
     while True:
@@ -85,6 +90,13 @@ def _serve(runner: ModelRunner, control: dist.ProcessGroup, kv_head0: int, num_k
             kv = torch.empty(shape, dtype=pool.dtype, device=pool.device)
             dist.broadcast(kv, 0)
             pool.index_copy_(2, payload.to(pool.device), kv[:, :, :, kv_head0 : kv_head0 + pool.shape[3]])
+        elif op == Op.LORA:  # rank 0 read and checked the same files: this rank's shard of them
+            slot, directory = unpack_lora(payload)
+            if directory is None:
+                clear_slot(runner.model, slot)
+            else:
+                weights = read_adapter(Path(directory), spec.arch, spec.lora_slots[1], spec.dtype)
+                write_slot(runner.model, slot, weights, spec.arch, shard)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -4,7 +4,8 @@ A message is an int64 header `[op, payload length]` and an int64 payload, both b
 rank 0 over the control group (gloo, CPU tensors, whatever the model's device). A step's payload
 is its flat batch metadata, once per step and never per layer:
 
-    [num_chunks, (num_tokens, start, num_block_ids, num_logits, long_rope, *token_ids, *block_ids) per chunk]
+    [num_chunks, (num_tokens, start, num_block_ids, num_logits, long_rope, lora_slot, *token_ids, *block_ids)
+     per chunk]
 
 from which every rank builds the same `ModelInput` (`ModelRunner.prepare`) on its own device.
 """
@@ -25,6 +26,8 @@ class Op(enum.IntEnum):
     STEP = 1  # run the decoder over the batch in the payload
     READ_BLOCKS = 2  # payload: block ids; each rank sends rank 0 its heads of them (a snapshot save)
     WRITE_BLOCKS = 3  # payload: block ids; rank 0 then broadcasts their KV, each rank keeps its heads
+    # payload: [slot, *utf-8 bytes of an adapter directory]: each rank puts its shard in the slot (no bytes: empty it)
+    LORA = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,26 +46,38 @@ class RankSpec:
     num_threads: int  # intra-op threads of each rank (the engine process's own count)
     store_port: int  # rank 0's TCPStore, where the group meets
     timeout_s: float  # a collective that waits longer than this has a dead or hung rank
+    lora_slots: tuple[int, int] | None = None  # (max_loras, max_lora_rank) with LoRA enabled
 
 
 def pack_chunks(chunks: list[SeqChunk]) -> torch.Tensor:
     """One step's chunks as the flat int64 payload above."""
     flat = [len(chunks)]
     for c in chunks:
-        flat += (len(c.token_ids), c.start, len(c.block_ids), c.num_logits, int(c.long_rope))
+        flat += (len(c.token_ids), c.start, len(c.block_ids), c.num_logits, int(c.long_rope), c.lora_slot)
         flat += c.token_ids
         flat += c.block_ids
     return torch.tensor(flat, dtype=torch.int64)
+
+
+def pack_lora(slot: int, directory: str | None) -> torch.Tensor:
+    """Op.LORA's payload: the slot, then the adapter directory's path as bytes (none: empty the slot)."""
+    return torch.tensor([slot, *(directory or "").encode()], dtype=torch.int64)
+
+
+def unpack_lora(payload: torch.Tensor) -> tuple[int, str | None]:
+    slot, *path = payload.tolist()
+    return slot, bytes(path).decode() if path else None
 
 
 def unpack_chunks(payload: torch.Tensor) -> list[SeqChunk]:
     flat = payload.tolist()
     chunks, i = [], 1
     for _ in range(flat[0]):
-        num_tokens, start, num_blocks, num_logits, long_rope = flat[i : i + 5]
-        i += 5
+        num_tokens, start, num_blocks, num_logits, long_rope, lora_slot = flat[i : i + 6]
+        i += 6
         tokens = flat[i : i + num_tokens]
         i += num_tokens
-        chunks.append(SeqChunk(tokens, start, flat[i : i + num_blocks], num_logits, long_rope=bool(long_rope)))
+        chunks.append(SeqChunk(tokens, start, flat[i : i + num_blocks], num_logits, long_rope=bool(long_rope),
+                               lora_slot=lora_slot))
         i += num_blocks
     return chunks

@@ -16,12 +16,17 @@ SERVING_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )
+# A PEFT LoRA adapter's files (worker/models/lora_adapter.py).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def serving_files(names: list[str]) -> list[str]:
     """The names (relative to the model's root) a checkpoint directory is served from; a folder
-    that has no config.json but exactly one .gguf file is served from that file."""
+    that has no config.json but exactly one .gguf file is served from that file, and a LoRA
+    adapter's folder (adapter_config.json, no config.json) from its two files."""
     top = [n for n in names if "/" not in n]
+    if "config.json" not in top and "adapter_config.json" in top:
+        return [n for n in ADAPTER_FILES if n in top]
     if "config.json" not in top:
         ggufs = [n for n in top if n.lower().endswith(".gguf")]
         return ggufs if len(ggufs) == 1 else []
