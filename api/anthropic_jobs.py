@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from ferry.api.anthropic_schemas import REFUSED_FIELDS, AnthropicTool, InputMessage, MessagesRequest
 from ferry.api.errors import ApiError, unsupported
-from ferry.api.services import Services, new_job_request
+from ferry.api.services import ModelRoute, Services, new_job_request
 from ferry.worker.protocol import JobRequest, Message, TextPart
 from ferry.worker.protocol.tools import (
     FunctionCall,
@@ -37,7 +37,7 @@ from ferry.worker.protocol.tools import (
 _TOOL_CHOICES: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}  # and `tool`: named
 
 
-def message_job(svc: Services, tenant_name: str, model: str, body: MessagesRequest) -> JobRequest:
+def message_job(svc: Services, tenant_name: str, route: ModelRoute, body: MessagesRequest) -> JobRequest:
     """The job for a `/v1/messages` body (422s naming the field it cannot take)."""
     for name, why in REFUSED_FIELDS.items():
         if getattr(body, name) is not None:
@@ -58,7 +58,7 @@ def message_job(svc: Services, tenant_name: str, model: str, body: MessagesReque
     metadata = {"api": "anthropic"}
     if body.metadata is not None and body.metadata.user_id is not None:
         metadata["user"] = body.metadata.user_id
-    return new_job_request(svc, tenant_name, model, fields, metadata=metadata)
+    return new_job_request(svc, tenant_name, route, fields, metadata=metadata)
 
 
 def chat_messages(body: MessagesRequest) -> list[Message]:

@@ -206,7 +206,8 @@ class BatchDriver:
                 del self.validations[batch_id]
                 await self._validated(batch_id, raw, state)
                 return
-            await route_models(self.svc, [item for item in group if isinstance(item, Envelope)], state.routes)
+            await route_models(self.svc, raw["tenant"], [item for item in group if isinstance(item, Envelope)],
+                               state.routes)
             for item in group:
                 state.check(item)
 
@@ -262,7 +263,7 @@ class BatchDriver:
         ttl_s = float(raw["expires_at"]) - time.time()
         taken = await reader.take(self.settings.batch_backlog - len(inflight))
         routes: dict[str | None, Route | ApiError] = {}
-        await route_models(self.svc, [item for item in taken if isinstance(item, Envelope)], routes)
+        await route_models(self.svc, raw["tenant"], [item for item in taken if isinstance(item, Envelope)], routes)
         built = await anyio.to_thread.run_sync(build_jobs, self.svc, raw["tenant"], batch_id, raw["endpoint"], taken,
                                                routes, ttl_s)
         added: dict[int, list] = {}

@@ -33,7 +33,7 @@ from ferry.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from ferry.api.responses_jobs import ResponseMeta, response_request
 from ferry.api.responses_render import response_object
 from ferry.api.responses_schemas import ResponseCreate
-from ferry.api.services import ModelLimits, Services, model_limits, resolve_model
+from ferry.api.services import ModelLimits, ModelRoute, Services, model_limits, resolve_model
 from ferry.worker.common.objectstore import ObjectStore
 from ferry.worker.protocol import JobRecord, JobRequest, JobState, Priority, UnreadableRecord
 from ferry.worker.protocol.fields import MAX_JSON_DEPTH, json_problem, nested_deeper_than
@@ -200,20 +200,20 @@ def read_envelopes(store: ObjectStore, object_name: str, endpoint: str, max_byte
 class Route:
     """Where a line's `model` goes: routed on the event loop, read by the thread that builds the job."""
 
-    model: str  # the served model
+    to: ModelRoute  # the served model, and the LoRA adapter it names, if any
     limits: ModelLimits | None  # what its workers reported (None: none has run yet)
 
 
-async def route_models(svc: Services, envelopes: Iterable[Envelope], routes: dict[str | None, Route | ApiError]
-                       ) -> None:
+async def route_models(svc: Services, tenant: str, envelopes: Iterable[Envelope],
+                       routes: dict[str | None, Route | ApiError]) -> None:
     """Add to `routes` each model the envelopes name (a string, or none for the default) that is not
     there yet, routed as the live route does (ApiError: the live route's refusal)."""
     for envelope in envelopes:
         name = envelope.body.get("model")
         if (name is None or isinstance(name, str)) and name not in routes:
             try:
-                model = await resolve_model(svc, name)
-                routes[name] = Route(model, await model_limits(svc, model))
+                to = await resolve_model(svc, name, tenant)
+                routes[name] = Route(to, await model_limits(svc, to.model))
             except ApiError as exc:
                 routes[name] = exc
 
@@ -265,17 +265,17 @@ def _line_job(svc: Services, tenant: str, endpoint: str, body: dict,
         for name in ("background", "previous_response_id"):
             if getattr(request, name):
                 raise unsupported(name, "not in batch lines (a line runs in its batch, from its own input)")
-        return request, route, response_request(svc, tenant, route.model, request)
+        return request, route, response_request(svc, tenant, route.to, request)
     if isinstance(request, ChatCompletionRequest):
         if request.logprobs:
             raise unsupported("logprobs", "not supported in batch lines")
-        jobs = chat_jobs(svc, tenant, route.model, request)
+        jobs = chat_jobs(svc, tenant, route.to, request)
         if len(jobs) != 1:
             raise unsupported("n", "one choice per batch line")
         return request, route, jobs[0]
     if request.logprobs is not None:
         raise unsupported("logprobs", "not supported in batch lines")
-    jobs = completion_jobs(svc, tenant, route.model, request)
+    jobs = completion_jobs(svc, tenant, route.to, request)
     if len(jobs) != 1:
         raise ApiError(422, "invalid_request", "prompt: one prompt (and n = 1) per batch line", field="prompt")
     return request, route, jobs[0]
@@ -322,7 +322,7 @@ def output_line(record: JobRecord, custom_id: str, chat: bool, echo: str) -> tup
     if record.state == JobState.succeeded:
         prefix = "chatcmpl" if chat else "cmpl"
         tools = record.tool_calls is not None  # a chat with tools: content and calls parsed by the worker
-        shape = Shape(f"{prefix}-{record.id}", record.model, int(record.created_at), chat=chat, logprobs=False,
+        shape = Shape(f"{prefix}-{record.id}", record.model_asked, int(record.created_at), chat=chat, logprobs=False,
                       echo=echo, text=record.text or "", tools=tools, content=record.content or "",
                       tool_calls=list(record.tool_calls or []), reasoning=record.reasoning_content or "",
                       parsed=record.reasoning_content is not None, prompt_logprobs=record.prompt_logprobs)

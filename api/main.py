@@ -23,7 +23,19 @@ from ferry.api.batch_driver import BatchDriver
 from ferry.api.errors import BodyLimitMiddleware, install_error_handlers
 from ferry.api.offloop import BodyChecks
 from ferry.api.ratelimit import RateLimitHeaders
-from ferry.api.routes import admin, batches, files, health, jobs, messages, openai, responses, tokenize, usage
+from ferry.api.routes import (
+    admin,
+    batches,
+    files,
+    health,
+    jobs,
+    loras,
+    messages,
+    openai,
+    responses,
+    tokenize,
+    usage,
+)
 from ferry.api.services import ApiMetrics, Services
 from ferry.api.settings import ApiSettings
 from ferry.api.streaming import PubSubHub
@@ -145,6 +157,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(usage.router)
     app.include_router(admin.router)
+    app.include_router(loras.router)
     app.include_router(health.router)
     return app
 

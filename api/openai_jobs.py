@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ferry.api.errors import ApiError, unsupported
 from ferry.api.openai_schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, lane
-from ferry.api.services import Services, new_job_request
+from ferry.api.services import ModelRoute, Services, new_job_request
 from ferry.worker.protocol import JobRequest
 from ferry.worker.protocol.sampling import SAMPLING_LIMITS
 
@@ -19,7 +19,7 @@ _SAMPLING = tuple(limit.name for limit in SAMPLING_LIMITS if limit.name != "logp
 MAX_PROMPTS = 64  # prompts in one /v1/completions request: each is a job of its own
 
 
-def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) -> JobRequest:
+def _job_request(svc: Services, tenant_name: str, route: ModelRoute, body, **fields) -> JobRequest:
     for name in _SAMPLING:
         value = getattr(body, name)
         if value is not None and name not in fields:
@@ -33,7 +33,7 @@ def _job_request(svc: Services, tenant_name: str, model: str, body, **fields) ->
         raise ApiError(422, "invalid_request", "stream_options: only with stream: true", field="stream_options")
     fields["structured_outputs"] = _structured_outputs(body)
     metadata = {"api": "openai", "user": body.user} if body.user else {"api": "openai"}
-    return new_job_request(svc, tenant_name, model, fields, priority=lane(body.priority), metadata=metadata)
+    return new_job_request(svc, tenant_name, route, fields, priority=lane(body.priority), metadata=metadata)
 
 
 def _structured_outputs(body):
@@ -52,7 +52,7 @@ def prompts(prompt) -> list:
     return [prompt]
 
 
-def completion_jobs(svc: Services, tenant_name: str, model: str, body: CompletionRequest) -> list[JobRequest]:
+def completion_jobs(svc: Services, tenant_name: str, route: ModelRoute, body: CompletionRequest) -> list[JobRequest]:
     """One job per prompt, in the prompts' order (the choices' indexes)."""
     if body.suffix:
         raise unsupported("suffix", "not supported (insertion needs a model trained for it)")
@@ -78,7 +78,7 @@ def completion_jobs(svc: Services, tenant_name: str, model: str, body: Completio
     if body.logprobs is not None:
         fields |= {"logprobs": True, "top_logprobs": body.logprobs}
     # Choices prompt-major, as OpenAI orders them: prompt i's j-th choice has index i * n + j.
-    requests = [_job_request(svc, tenant_name, model, body, prompt=p, **fields) for p in batch]
+    requests = [_job_request(svc, tenant_name, route, body, prompt=p, **fields) for p in batch]
     return [choice for request in requests for choice in _choices(request, body.n)]
 
 
@@ -88,7 +88,7 @@ def _choices(job: JobRequest, n: int) -> list[JobRequest]:
     return [job] + [job.model_copy(update={"seed": job.seed + i} if job.seed is not None else {}) for i in range(1, n)]
 
 
-def chat_jobs(svc: Services, tenant_name: str, model: str, body: ChatCompletionRequest) -> list[JobRequest]:
+def chat_jobs(svc: Services, tenant_name: str, route: ModelRoute, body: ChatCompletionRequest) -> list[JobRequest]:
     fields: dict = {"messages": body.messages, "chat_template_kwargs": body.chat_template_kwargs,
                     "reasoning_effort": body.reasoning_effort}
     if body.max_completion_tokens is not None:
@@ -108,4 +108,4 @@ def chat_jobs(svc: Services, tenant_name: str, model: str, body: ChatCompletionR
         raise ApiError(422, "invalid_request", "tool_choice needs tools", field="tool_choice")
     elif body.parallel_tool_calls is not None:
         raise ApiError(422, "invalid_request", "parallel_tool_calls: only with tools", field="parallel_tool_calls")
-    return _choices(_job_request(svc, tenant_name, model, body, **fields), body.n)
+    return _choices(_job_request(svc, tenant_name, route, body, **fields), body.n)

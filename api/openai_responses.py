@@ -15,6 +15,7 @@ from ferry.worker.protocol.tools import ChatDelta, ToolCall
 _INPUT_ERRORS = {
     ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG,
     ErrorCode.INVALID_STRUCTURED_OUTPUT,
+    ErrorCode.LORA_LOAD_FAILED,  # the adapter the request named cannot serve (corrupt, rank too high)
 }
 
 
@@ -74,6 +75,8 @@ def job_error(event) -> ApiError:
         return ApiError(409, "job_cancelled", "the job was cancelled")
     if event.type == "timed_out":
         return ApiError(504, event.code, event.message)
+    if event.code == ErrorCode.LORA_NOT_FOUND:  # unloaded after the request was routed to its base model
+        return ApiError(404, event.code, event.message)
     if event.code in _INPUT_ERRORS:
         return ApiError(422, event.code, event.message)
     return ApiError(500, event.code, event.message)

@@ -18,6 +18,7 @@ from ferry.api.streaming import SSE_EVENT_SCHEMA
 from ferry.worker.protocol import Message, Priority, StructuredOutputsRequest
 from ferry.worker.protocol.chat_template import ChatTemplateFields
 from ferry.worker.protocol.fields import LogitBias, ModelName, TokenIds, sampling_annotation, sampling_fields
+from ferry.worker.protocol.loras import LoraEntry
 from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.structured import check_json_schema
 from ferry.worker.protocol.tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
@@ -230,6 +231,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ferry"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+    root: str | None = None  # a LoRA adapter's path (vLLM's field)
+
+    @classmethod
+    def of_lora(cls, entry: LoraEntry) -> ModelCard:
+        """A registered LoRA adapter, as vLLM lists one."""
+        return cls(id=entry.name, created=int(entry.created_at), parent=entry.base_model, root=entry.path)
 
 
 class ModelList(BaseModel):

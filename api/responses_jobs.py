@@ -23,7 +23,7 @@ from ferry.api.responses_schemas import (
     MessageItem,
     ResponseCreate,
 )
-from ferry.api.services import Services, get_job, new_job_request
+from ferry.api.services import ModelRoute, Services, get_job, new_job_request
 from ferry.worker.protocol import JobRecord, JobRequest, JobState, Message
 from ferry.worker.protocol.tools import FunctionCall, FunctionName, NamedToolChoice, Tool, ToolCall
 
@@ -132,16 +132,16 @@ def check_supported(body: ResponseCreate) -> None:
                        field="background")
 
 
-async def response_job(svc: Services, tenant_name: str, model: str, body: ResponseCreate) -> JobRequest:
+async def response_job(svc: Services, tenant_name: str, route: ModelRoute, body: ResponseCreate) -> JobRequest:
     """The job that answers `body`."""
     check_supported(body)
     before = []
     if body.previous_response_id is not None:
         before = await conversation_before(svc, tenant_name, body.previous_response_id)
-    return response_request(svc, tenant_name, model, body, before)
+    return response_request(svc, tenant_name, route, body, before)
 
 
-def response_request(svc: Services, tenant_name: str, model: str, body: ResponseCreate,
+def response_request(svc: Services, tenant_name: str, route: ModelRoute, body: ResponseCreate,
                      before: Sequence[Message] = ()) -> JobRequest:
     """The job that answers `body` after the conversation `before` (a previous response's)."""
     check_supported(body)
@@ -162,5 +162,5 @@ def response_request(svc: Services, tenant_name: str, model: str, body: Response
                         previous_response_id=body.previous_response_id, metadata=body.metadata or {},
                         format_name=text_format.name if text_format is not None else None,
                         user=body.user or body.safety_identifier)
-    return new_job_request(svc, tenant_name, model, fields, priority=lane(body.priority), webhook=body.webhook,
+    return new_job_request(svc, tenant_name, route, fields, priority=lane(body.priority), webhook=body.webhook,
                            metadata={"api": "responses", "responses": asdict(meta)})

@@ -53,7 +53,7 @@ def shell(job_id: str, request: JobRequest, meta: ResponseMeta, status: str) -> 
     return {
         "id": response_id(job_id), "object": "response", "created_at": int(request.created_at), "status": status,
         "background": meta.background, "error": None, "incomplete_details": None, "instructions": instructions,
-        "max_output_tokens": request.max_tokens, "model": request.model, "output": [],
+        "max_output_tokens": request.max_tokens, "model": request.lora or request.model, "output": [],
         "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": meta.previous_response_id,
         "reasoning": {"effort": request.reasoning_effort, "summary": None}, "store": meta.store,
         "temperature": request.temperature, "top_p": request.top_p,

@@ -14,8 +14,8 @@ from ferry.worker.protocol.sampling import LIMITS
 from ferry.worker.protocol.tools import ToolCall
 
 # JobRequest fields the API sets itself or takes from the job envelope rather than from `input`.
-_NOT_INPUT = {"model", "tenant", "created_at", "priority", "ttl_s", "timeout_s", "metadata", "webhook", "cache_salt",
-              "task"}  # task: set by /tokenize and /detokenize
+_NOT_INPUT = {"model", "lora", "tenant", "created_at", "priority", "ttl_s", "timeout_s", "metadata", "webhook",
+              "cache_salt", "task"}  # lora: from `model` (api.services.resolve_model); task: /tokenize, /detokenize
 
 # `input`: a completion (`prompt`) or chat (`messages`) request with OpenAI's field names; the
 # sampling fields and their limits are JobRequest's own, so the API and the worker agree.

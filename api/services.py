@@ -28,9 +28,9 @@ from pydantic import ValidationError
 from ferry.api.auth import KeyRing
 from ferry.api.errors import UNSUPPORTED_PARAMETER, ApiError, not_found
 from ferry.api.joblist import index_job
+from ferry.api.served import MODEL_CACHE_S, ModelHeartbeats
 from ferry.api.settings import ApiSettings
 from ferry.api.streaming import PubSubHub
-from ferry.api.tasks import cancel_and_wait
 from ferry.api.tracing import enqueue_span
 from ferry.api.usage import TenantUsageMetrics
 from ferry.worker.common.addresses import RefusedUrl, check_addresses, check_url_shape, literal_address
@@ -49,11 +49,11 @@ from ferry.worker.protocol import (
     new_job_id_for,
 )
 from ferry.worker.protocol.keys import watch_value
+from ferry.worker.protocol.loras import read_lora_async
 from ferry.worker.protocol.usage import account_job_async, refund_reservation_async
 
 log = logging.getLogger("ferry.api")
 
-MODEL_CACHE_S = 1.0
 _RESOLVE_TIMEOUT_S = 2.0  # a webhook host that does not resolve within this is refused
 
 
@@ -74,44 +74,6 @@ class ApiMetrics:
             "ferry_api_batch_driver_errors", "Unexpected exceptions of the batch driver: on a batch (retried, then "
             "it fails) or on one line (that line is answered internal_error)", ["scope"], registry=self.registry
         )
-
-
-class ModelHeartbeats:
-    """Each served model's last worker heartbeat (`{p}:models`) as this process last read it: what
-    routing, /v1/models and /readyz go by. A task reads it every MODEL_CACHE_S (`start`), so no
-    request waits for it: a read of its own would wait its turn for a pooled Redis connection
-    behind every open stream's reads."""
-
-    def __init__(self, redis: aredis.Redis, keys: Keys):
-        self._redis, self._keys = redis, keys
-        self._beats: dict[str, float] | None = None  # model -> unix time of its last heartbeat
-        self._read_at = float("-inf")  # monotonic
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_forever(), name="model-heartbeats")
-
-    async def close(self) -> None:
-        await cancel_and_wait(self._task)
-
-    async def beats(self) -> dict[str, float]:
-        """The last read; read now only when there is none yet, or (no task started) none recent."""
-        if self._beats is None or (self._task is None and time.monotonic() - self._read_at > MODEL_CACHE_S):
-            return await self.refresh()
-        return self._beats
-
-    async def refresh(self) -> dict[str, float]:
-        self._beats = dict(await self._redis.zrange(self._keys.models, 0, -1, withscores=True))
-        self._read_at = time.monotonic()
-        return self._beats
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except (aredis.RedisError, OSError) as exc:  # Redis away: the requests that need it answer 503
-                log.debug("model heartbeats not read: %s", exc)
-            await asyncio.sleep(MODEL_CACHE_S)
 
 
 @dataclass(slots=True)
@@ -157,11 +119,41 @@ async def _routable_models(svc: Services, fresh: bool = False) -> frozenset[str]
     return names | svc.configured_models | svc.models_remembered
 
 
-async def resolve_model(svc: Services, name: str | None, field: str = "model") -> str:
-    """The model a request goes to. A model is served while a worker of it sends heartbeats, and
-    stays routable (its jobs queue until a worker scales up) when it is configured (FERRY_MODELS),
-    was seen live by this process, or left its limits in Redis (workers write them for a week):
-    a Redis restart or a pool scaled to zero is never a 404."""
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """Where a request's `model` goes: a served model's queue, with one of its LoRA adapters or none."""
+
+    model: str  # the served (base) model: its queue, its limits
+    lora: str | None = None  # the adapter applied (`JobRequest.lora`)
+
+    @property
+    def name(self) -> str:
+        """What the client asked for: the answer's `model` echoes it."""
+        return self.lora or self.model
+
+
+async def resolve_model(svc: Services, name: str | None, tenant: str, field: str = "model") -> ModelRoute:
+    """The model a request goes to: a served model (`served_model`), or a LoRA adapter registered for one
+    (`worker.protocol.loras`) that `tenant` may use, routed to its base model's queue. An adapter the
+    tenant may not use is the same 404 as a name nobody serves: names do not leak across tenants."""
+    if name is not None and name not in await _routable_models(svc):
+        entry = await read_lora_async(svc.redis, svc.keys, name)
+        if entry is not None and entry.visible_to(tenant) and await is_routable(svc, entry.base_model):
+            return ModelRoute(entry.base_model, entry.name)
+    return ModelRoute(await served_model(svc, name, field))
+
+
+async def is_routable(svc: Services, model: str) -> bool:
+    """Whether `served_model` would route to `model`."""
+    return (model in await _routable_models(svc) or model in await _routable_models(svc, fresh=True)
+            or await model_limits(svc, model) is not None)
+
+
+async def served_model(svc: Services, name: str | None, field: str = "model") -> str:
+    """The served model `name` routes to (the only one, for None). A model is served while a worker of
+    it sends heartbeats, and stays routable (its jobs queue until a worker scales up) when it is
+    configured (FERRY_MODELS), was seen live by this process, or left its limits in Redis (workers
+    write them for a week): a Redis restart or a pool scaled to zero is never a 404."""
     known = await _routable_models(svc)
     if name is not None and name not in known:
         known = await _routable_models(svc, fresh=True)  # a model that has just come up
@@ -229,15 +221,16 @@ async def check_against_model(svc: Services, request: JobRequest, prefix: str = 
             raise ApiError(422, UNSUPPORTED_PARAMETER, f"{field}: {problem[1]}", field=field)
 
 
-def new_job_request(svc: Services, tenant: str, model: str, fields: dict[str, Any], *, loc: tuple[str, ...] = ("body",),
-                    ttl_s: float | None = None, timeout_s: float | None = None, **job: Any) -> JobRequest:
-    """The one place a request to either API becomes a `JobRequest`: `fields` (prompt or messages,
-    sampling) as the client sent them at `loc` in its body, and `job` (priority, metadata, webhook).
-    Sets what neither client chooses: the tenant, its own prefix-cache namespace (tenants never share
-    cache entries: no timing side channel) and the process's default limits. A validation error is
-    a 422 naming the request's field."""
+def new_job_request(svc: Services, tenant: str, route: ModelRoute, fields: dict[str, Any], *,
+                    loc: tuple[str, ...] = ("body",), ttl_s: float | None = None, timeout_s: float | None = None,
+                    **job: Any) -> JobRequest:
+    """The one place a request to either API becomes a `JobRequest` for `route`'s model and adapter:
+    `fields` (prompt or messages, sampling) as the client sent them at `loc` in its body, and `job`
+    (priority, metadata, webhook). Sets what neither client chooses: the tenant, its own prefix-cache
+    namespace (tenants never share cache entries: no timing side channel) and the process's default
+    limits. A validation error is a 422 naming the request's field."""
     try:
-        return JobRequest(**fields, **job, model=model, tenant=tenant, cache_salt=tenant,
+        return JobRequest(**fields, **job, model=route.model, lora=route.lora, tenant=tenant, cache_salt=tenant,
                           ttl_s=ttl_s or svc.settings.job_ttl_s, timeout_s=timeout_s or svc.settings.job_timeout_s)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]) from exc

@@ -98,6 +98,10 @@ class LoraMapping:
     slot_of_row: torch.Tensor  # [num_tokens] int64 on the batch's device; -1 where the row has no adapter
     groups: list[tuple[int, torch.Tensor]]  # (slot, row indices [n] int64 on device) per slot present, rows ascending
     all_rows_one_slot: int | None  # the slot when every row uses that same slot (no gather/scatter needed), else None
+    # Every row with an adapter, grouped by slot ([n] int64 on device: the groups' rows end to end),
+    # and each group's (slot, start, count) in it: the CPU path gathers and scatters once per product
+    adapted_rows: torch.Tensor | None = None
+    segments: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def build(cls, slot_of_row: list[int], device: torch.device | str = "cpu") -> LoraMapping:
@@ -109,13 +113,15 @@ class LoraMapping:
         order = torch.argsort(host, stable=True)  # rows by slot, ascending rows within a slot
         counts = torch.bincount(host + 1).tolist()  # counts[s + 1]: rows of slot s; counts[0]: rows with none
         order_dev = order.to(device)
-        groups, start = [], counts[0] if counts else 0
+        first = counts[0] if counts else 0
+        groups, segments, start = [], [], first
         for slot, count in enumerate(counts[1:]):
             if count:
                 groups.append((slot, order_dev[start : start + count]))
+                segments.append((slot, start - first, count))
                 start += count
         one_slot = groups[0][0] if len(groups) == 1 and groups[0][1].numel() == len(slot_of_row) else None
-        return cls(host.to(device), groups, one_slot)
+        return cls(host.to(device), groups, one_slot, order_dev[first:], segments)
 
     @property
     def active(self) -> bool:

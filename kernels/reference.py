@@ -415,11 +415,21 @@ def add_lora(
     caller; ranks below R are zero-padded, and a fused projection (q|k|v) uses a block-diagonal lora_b, so the
     kernel needs to know nothing about either.
 
-    Grouped ("SGMV"): one pair of products per slot present, on that slot's rows gathered once;
-    rows without an adapter are neither read nor written."""
+    Grouped ("SGMV"): one pair of products per slot present, over its rows, which one gather
+    brought together (adapted rows grouped by slot); one scatter adds every update back. Rows
+    without an adapter are neither read nor written."""
     if mapping.all_rows_one_slot is not None:
         slot = mapping.all_rows_one_slot
         y += lora_delta(x, lora_a[slot], lora_b[slot])
         return
-    for slot, rows in mapping.groups:
-        y.index_add_(0, rows, lora_delta(x.index_select(0, rows), lora_a[slot], lora_b[slot]))
+    if mapping.adapted_rows is None:  # a mapping built by hand, without the grouped rows
+        for slot, rows in mapping.groups:
+            y.index_add_(0, rows, lora_delta(x.index_select(0, rows), lora_a[slot], lora_b[slot]))
+        return
+    compute = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    grouped = x.index_select(0, mapping.adapted_rows).to(compute)  # [n, in], rows by slot
+    update = torch.empty(grouped.shape[0], y.shape[1], dtype=compute, device=y.device)  # [n, out]
+    for slot, start, count in mapping.segments:
+        shrunk = torch.mm(grouped[start : start + count], lora_a[slot].to(compute).t())  # [count, R]
+        torch.mm(shrunk, lora_b[slot].to(compute).t(), out=update[start : start + count])
+    y.index_add_(0, mapping.adapted_rows, update.to(y.dtype))

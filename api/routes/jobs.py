@@ -27,6 +27,7 @@ from ferry.api.schemas import (
     error_responses,
 )
 from ferry.api.services import (
+    ModelRoute,
     Services,
     cancel_job,
     check_against_model,
@@ -55,12 +56,12 @@ Tenant = Annotated[str, Depends(tenant)]
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
-def job_request(body: JobCreate, model: str, tenant_name: str, svc: Services) -> JobRequest:
+def job_request(body: JobCreate, route: ModelRoute, tenant_name: str, svc: Services) -> JobRequest:
     """The wire request for a submitted job; sampling errors are 422s naming `input.<field>`."""
     fields = body.input.model_dump(exclude={"model", "max_completion_tokens"}, exclude_unset=True)
     if body.input.max_completion_tokens is not None:
         fields["max_tokens"] = body.input.max_completion_tokens
-    return new_job_request(svc, tenant_name, model, fields, loc=("body", "input"), ttl_s=body.ttl_s,
+    return new_job_request(svc, tenant_name, route, fields, loc=("body", "input"), ttl_s=body.ttl_s,
                            timeout_s=body.timeout_s, priority=body.priority, metadata=body.metadata,
                            webhook=body.webhook)
 
@@ -87,7 +88,7 @@ def job_view(record: JobRecord, deliveries: dict[str, str] | None = None) -> Job
     return JobView(
         id=record.id,
         status=record.state,
-        model=record.model,
+        model=record.model_asked,
         priority=record.priority,
         created_at=record.created_at,
         started_at=record.started_at,
@@ -136,8 +137,8 @@ async def create_job(
     idempotency_key: IdempotencyKey = None,
     prefer: Annotated[str | None, Header(description="`wait=N`: block up to N seconds for the result")] = None,
 ):
-    model = await resolve_model(svc, body.input.model, field="input.model")
-    request = job_request(body, model, tenant_name, svc)
+    route = await resolve_model(svc, body.input.model, tenant_name, field="input.model")
+    request = job_request(body, route, tenant_name, svc)
     await check_against_model(svc, request, prefix="input.")
     async def admission() -> tuple[str, int] | None:
         [reservation] = await admit_jobs(svc, http.state, tenant_name, [request])

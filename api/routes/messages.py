@@ -55,8 +55,8 @@ _OK = {200: {"model": MessageResponse, "content": {"text/event-stream": {"schema
     summary="Count a message's prompt tokens (Anthropic-compatible): the worker renders it as it would run it",
 )
 async def count_tokens(body: CountTokensRequest, http: Request, svc: Svc, tenant_name: Tenant) -> TokenCount:
-    model = await resolve_model(svc, body.model)
-    job = message_job(svc, tenant_name, model, body.as_message()).model_copy(update={"task": "tokenize"})
+    route = await resolve_model(svc, body.model, tenant_name)
+    job = message_job(svc, tenant_name, route, body.as_message()).model_copy(update={"task": "tokenize"})
     record = await run_without_generating(svc, http, tenant_name, job)
     return TokenCount(input_tokens=len(record.token_ids or []))
 
@@ -72,8 +72,8 @@ async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_
     """Anthropic's `anthropic-version` header is accepted and not needed: there is one version. With an
     `Idempotency-Key` (as on /v1/jobs) a retry answers from the same job, from its first event, and a
     client that goes away leaves its job running for that retry."""
-    model = await resolve_model(svc, body.model)
-    job = message_job(svc, tenant_name, model, body)
+    route = await resolve_model(svc, body.model, tenant_name)
+    job = message_job(svc, tenant_name, route, body)
     await check_against_model(svc, job)
 
     async def admission() -> tuple[str, int] | None:
@@ -82,7 +82,7 @@ async def create_message(body: MessagesRequest, http: Request, svc: Svc, tenant_
 
     job_id = (await submit(svc, job, idempotency_key, source="anthropic", admission=admission)).job_id
     keep = idempotency_key is not None
-    message = MessageBuilder(f"msg_{job_id}", model, tools=job.effective_tool_choice != "none")
+    message = MessageBuilder(f"msg_{job_id}", route.name, tools=job.effective_tool_choice != "none")
     # Past its queueing and running limits a job can only have been lost (no worker took it).
     deadline_s = (job.ttl_s or 0) + (job.timeout_s or 0) + DEADLINE_MARGIN_S
     events = follow_events(svc.redis, svc.hub, svc.keys, job_id, idle_s=_TICK_S,

@@ -257,13 +257,13 @@ async def _stream(svc: Services, http: Request, job_id: str, events, shape: Shap
 )
 async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_name: Tenant,
                       idempotency_key: IdempotencyKey = None):
-    model = await resolve_model(svc, body.model)
-    jobs = completion_jobs(svc, tenant_name, model, body)
+    route = await resolve_model(svc, body.model, tenant_name)
+    jobs = completion_jobs(svc, tenant_name, route, body)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
     def shape(job_id: str, index: int) -> Shape:
-        return Shape(f"cmpl-{job_id}", model, int(jobs[0].created_at), chat=False, logprobs=body.logprobs is not None,
-                     index=index, echo=jobs[index].prompt if body.echo else "")
+        return Shape(f"cmpl-{job_id}", route.name, int(jobs[0].created_at), chat=False,
+                     logprobs=body.logprobs is not None, index=index, echo=jobs[index].prompt if body.echo else "")
 
     return await _answer(svc, http, jobs, shape, body.stream, include_usage, idempotency_key)
 
@@ -276,25 +276,30 @@ async def completions(body: CompletionRequest, http: Request, svc: Svc, tenant_n
 )
 async def chat_completions(body: ChatCompletionRequest, http: Request, svc: Svc, tenant_name: Tenant,
                            idempotency_key: IdempotencyKey = None):
-    model = await resolve_model(svc, body.model)
-    jobs = chat_jobs(svc, tenant_name, model, body)
+    route = await resolve_model(svc, body.model, tenant_name)
+    jobs = chat_jobs(svc, tenant_name, route, body)
     if len(jobs) > 1 and body.stream:
         raise unsupported("stream", "n > 1 is answered whole; stream with n = 1")
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     tools = jobs[0].effective_tool_choice != "none"
 
     def shape(job_id: str, index: int) -> Shape:
-        return Shape(f"chatcmpl-{job_id}", model, int(jobs[0].created_at), chat=True, logprobs=body.logprobs,
+        return Shape(f"chatcmpl-{job_id}", route.name, int(jobs[0].created_at), chat=True, logprobs=body.logprobs,
                      index=index, tools=tools)
 
     return await _answer(svc, http, jobs, shape, body.stream, include_usage, idempotency_key)
 
 
 @router.get("/models", response_model=ModelList, responses=error_responses(401),
-            summary="Models served: those with a live worker and every configured one (FERRY_MODELS)")
-async def models(svc: Svc, _: Tenant) -> ModelList:
+            summary="Models served: those with a live worker and every configured one (FERRY_MODELS), "
+                    "and the LoRA adapters of those the caller may use")
+async def models(svc: Svc, tenant_name: Tenant) -> ModelList:
     """A configured model is listed even while its pool is scaled to zero: its jobs queue and wake
-    the pool. `created` is the model's last worker heartbeat (0: no worker of it seen yet)."""
+    the pool. `created` is the model's last worker heartbeat (0: no worker of it seen yet). An
+    adapter follows its base model, with `parent` (the base) and `root` (its path)."""
     seen = await svc.heartbeats.beats()
     names = set(live(seen, svc.settings.model_liveness_s)) | svc.configured_models
-    return ModelList(data=[ModelCard(id=name, created=int(seen.get(name, 0))) for name in sorted(names)])
+    adapters = [entry for _, entry in sorted((await svc.heartbeats.loras()).items())
+                if entry.base_model in names and entry.visible_to(tenant_name)]
+    return ModelList(data=[ModelCard(id=name, created=int(seen.get(name, 0))) for name in sorted(names)]
+                     + [ModelCard.of_lora(entry) for entry in adapters])

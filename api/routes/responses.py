@@ -105,8 +105,8 @@ def _stream(svc: Services, job_id: str, request: JobRequest, meta: ResponseMeta,
              summary="Create a response (OpenAI Responses API; background: true queues it)")
 async def create_response(body: ResponseCreate, http: Request, svc: Svc, tenant_name: Tenant,
                           idempotency_key: IdempotencyKey = None):
-    model = await resolve_model(svc, body.model)
-    request = await response_job(svc, tenant_name, model, body)
+    route = await resolve_model(svc, body.model, tenant_name)
+    request = await response_job(svc, tenant_name, route, body)
     await check_against_model(svc, request)
 
     async def admission() -> tuple[str, int] | None:

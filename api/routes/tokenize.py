@@ -95,11 +95,11 @@ async def tokenize(body: TokenizeRequest, http: Request, svc: Svc, tenant_name: 
     refused = body.refused()
     if refused is not None:
         raise unsupported(*refused)
-    model = await resolve_model(svc, body.model)
+    route = await resolve_model(svc, body.model, tenant_name)
     fields = body.model_dump(include={"prompt", "messages", "tools", "chat_template_kwargs"}, exclude_none=True)
     record = await run_without_generating(svc, http, tenant_name,
-                                          new_job_request(svc, tenant_name, model, fields | {"task": "tokenize"}))
-    limits = await model_limits(svc, model)
+                                          new_job_request(svc, tenant_name, route, fields | {"task": "tokenize"}))
+    limits = await model_limits(svc, route.model)
     tokens = record.token_ids or []
     return TokenizeResponse(count=len(tokens), max_model_len=limits.max_model_len if limits else None, tokens=tokens)
 
@@ -107,7 +107,7 @@ async def tokenize(body: TokenizeRequest, http: Request, svc: Svc, tenant_name: 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(401, 404, 422, 429, 504),
              summary="Token ids as text (vLLM's shape)")
 async def detokenize(body: DetokenizeRequest, http: Request, svc: Svc, tenant_name: Tenant) -> DetokenizeResponse:
-    model = await resolve_model(svc, body.model)
-    job = new_job_request(svc, tenant_name, model, {"prompt": body.tokens, "task": "detokenize"})
+    route = await resolve_model(svc, body.model, tenant_name)
+    job = new_job_request(svc, tenant_name, route, {"prompt": body.tokens, "task": "detokenize"})
     record = await run_without_generating(svc, http, tenant_name, job)
     return DetokenizeResponse(prompt=record.text or "")

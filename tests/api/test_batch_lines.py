@@ -11,7 +11,7 @@ import pytest
 from ferry.api.auth import KeyRing
 from ferry.api.batches import Envelope, LineError, Route, build_line, envelope_groups, read_envelope, refused_line
 from ferry.api.errors import ApiError
-from ferry.api.services import ApiMetrics, ModelLimits, Services
+from ferry.api.services import ApiMetrics, ModelLimits, ModelRoute, Services
 from ferry.api.settings import ApiSettings
 
 CHAT = "/v1/chat/completions"
@@ -61,7 +61,7 @@ def services() -> Services:
                     metrics=ApiMetrics(lambda: 0), configured_models=frozenset({"m"}))
 
 
-ROUTES = {"m": Route("m", ModelLimits(vocab_size=100, max_model_len=16))}
+ROUTES = {"m": Route(ModelRoute("m"), ModelLimits(vocab_size=100, max_model_len=16))}
 
 
 def build(raw: bytes, endpoint: str = CHAT):

@@ -24,6 +24,7 @@ RENAMED = {
 NOT_SAMPLING = {
     "job": {
         "model",
+        "lora",
         "prompt",
         "messages",
         "logprobs",

@@ -65,6 +65,8 @@ class ErrorCode:
     ENGINE_ERROR = "engine_error"  # the engine raised while serving the job
     INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # the grammar compiler refused structured_outputs
     SCHEMA_TOO_COMPLEX = "schema_too_complex"  # structured_outputs over the compile budget (worker.protocol.structured)
+    LORA_NOT_FOUND = "lora_not_found"  # the adapter is not registered for this worker's model, or LoRA is off
+    LORA_LOAD_FAILED = "lora_load_failed"  # the adapter would not load: corrupt, rank too high, wrong shapes
 
 
 # Webhook event names, and the job event type each is sent for. A timeout is a failure to the
@@ -164,7 +166,8 @@ class JobRequest(_JobSampling, ChatTemplateFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: ModelName
+    model: ModelName  # the served (base) model: it picks the queue
+    lora: ModelName | None = None  # a LoRA adapter of `model` to apply (`worker.protocol.loras`)
     prompt: str | TokenIds | None = None
     messages: list[Message] | None = None
 
@@ -387,6 +390,11 @@ class JobRecord(BaseModel):
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def model_asked(self) -> str:
+        """The `model` its client named: the LoRA adapter, if it has one, else the served model."""
+        return (self.request.lora if self.request is not None else None) or self.model
 
     def to_redis(self) -> dict[str, str]:
         return _encode_fields(self.model_dump(mode="json", exclude_none=True))

@@ -4,8 +4,8 @@ docs/architecture.md tables them with their types, writers and uses. In short: p
 queue shard, one queue stream per priority (`{p}:q:{s<n>}:{model}:{priority}`); per job, a hash
 (`{p}:job:{s<n>}:{id}`), an event stream (`{p}:job:{s<n>}:{id}:events`) and a pub/sub channel
 (the hash's name: channels and keys are separate namespaces, so they share it on purpose);
-idempotency keys; the cancel channel; the dead-letter stream; worker heartbeats; the webhook
-relay's bookkeeping; Celery's broker keys under `{p}:celery:`.
+idempotency keys; the cancel channel; the dead-letter stream; worker heartbeats; the LoRA adapter
+registry; the webhook relay's bookkeeping; Celery's broker keys under `{p}:celery:`.
 
 Shards (Redis Cluster): `{s<n>}` is a hash tag, so a shard's queue streams and the keys of every
 job in it share one hash slot, and each script of the queue (enqueue, start, emit, hand back,
@@ -117,6 +117,12 @@ class Keys:
     @property
     def models(self) -> str:
         return f"{self.prefix}:models"
+
+    @property
+    def loras(self) -> str:
+        """Hash: LoRA adapter name -> its registry entry as JSON (`worker.protocol.loras`); no hash tag,
+        like `models`: one key, read on its own."""
+        return f"{self.prefix}:loras"
 
     def model_limits(self, model: str) -> str:
         """Hash: `vocab_size`, `max_model_len`, `chat_template_variables` (JSON) of a served model, written

@@ -5,6 +5,7 @@ The `Worker` starts each once it is ready and stops them, last started first, wh
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -47,9 +48,10 @@ class Component:
 
 
 class Heartbeat(Component):
-    """`{p}:worker:{id}` with a TTL (load, running, waiting, model, fingerprint), the model's limits
-    for the API, the queue lag for /metrics; and a Redis that restarted (a new run id, maybe
-    empty) gets the consumer groups back and the leases renewed at once."""
+    """`{p}:worker:{id}` with a TTL (load, running, waiting, model, fingerprint, the LoRA adapters its
+    engine holds as a JSON list), the model's limits for the API, the queue lag for /metrics; and a
+    Redis that restarted (a new run id, maybe empty) gets the consumer groups back and the leases
+    renewed at once."""
 
     name = "heartbeat"
 
@@ -83,6 +85,7 @@ class Heartbeat(Component):
             "waiting": str(stats.num_waiting if stats else 0),
             "max_num_seqs": str(s.engine.max_num_seqs),
             "state": "draining" if self.draining() else "ready",
+            "loras": json.dumps(self.loop.loras),  # LoRA adapters its engine holds (host memory or device)
             "ts": repr(now),
         }
         streams = self.intake.reader.streams

@@ -59,6 +59,7 @@ class EngineLoop(Inbox):
         self.pacer = Pacer(pacing or BackgroundPacing())
         self.runs: dict[str, JobRun] = {}
         self.stats: EngineStats | None = None  # latest, replaced whole (read by other threads)
+        self.loras: list[str] = []  # LoRA adapters the engine holds, as of `stats` (the heartbeat's)
         self.stop = threading.Event()
         self.fatal: RankFailedError | None = None  # set once the engine can no longer step (the worker exits)
         self._stats_at = 0.0
@@ -89,6 +90,7 @@ class EngineLoop(Inbox):
             if now - self._stats_at > _STATS_INTERVAL_S or any(isinstance(w, Finish) for w in writes):
                 self._stats_at = now
                 self.stats = self.engine.stats()
+                self.loras = self.engine.loras_held()
                 self.metrics.set_engine_stats(self.stats)
             if writes:
                 self.submit(writes)
@@ -176,7 +178,7 @@ class EngineLoop(Inbox):
             params = SamplingParams(**kwargs)
             self.engine.add_request(job.job_id, job.prompt_ids, params, priority=job.request.priority.rank,
                                     resume=Resume(resumed, len(job.streamed.text)) if resumed else None,
-                                    background=job.background)
+                                    background=job.background, lora_request=job.lora)
         except Exception as exc:  # the engine refused the request: its exception's type says why
             code = error_code(exc)
             if code != ErrorCode.ENGINE_ERROR:

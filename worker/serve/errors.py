@@ -13,6 +13,7 @@ from ferry.worker.engine import (
     InvalidStructuredOutputError,
     PromptTooLongError,
 )
+from ferry.worker.engine.errors import LoraAdapterError
 from ferry.worker.protocol import ErrorCode
 
 ERROR_CODES: dict[type[BaseException], str] = {
@@ -21,6 +22,7 @@ ERROR_CODES: dict[type[BaseException], str] = {
     InvalidResumeError: ErrorCode.INVALID_PROMPT,  # what the client already has cannot be continued
     InvalidSamplingParams: ErrorCode.INVALID_SAMPLING_PARAMS,
     InvalidStructuredOutputError: ErrorCode.INVALID_STRUCTURED_OUTPUT,
+    LoraAdapterError: ErrorCode.LORA_LOAD_FAILED,  # corrupt, rank over max_lora_rank, another base's shapes
 }
 
 

@@ -6,7 +6,8 @@ deliveries -> `{p}:dlq`), cancel, time out (TTL passed before it ever started), 
 is one atomic script (`running`, attempts + 1, `started` event on the first attempt) and carries
 what was already generated, so the job resumes where the client left off. A started job's prompt
 is rendered here too (chat template, tokenizer: `worker.serve.render`), off the engine thread;
-a prompt the model cannot take fails the job (`invalid_prompt`).
+a prompt the model cannot take fails the job (`invalid_prompt`). So is its LoRA adapter found
+(`worker.serve.loras`): one this worker cannot serve fails the job (`lora_not_found`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import redis
 from pydantic import ValidationError
 
-from ferry.worker.engine import InvalidPromptError
+from ferry.worker.engine import InvalidPromptError, LoRARequest
 from ferry.worker.protocol import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
@@ -42,6 +43,7 @@ from ferry.worker.protocol import (
 )
 from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
 from ferry.worker.serve.job_trace import AttemptStart, JobTracer
+from ferry.worker.serve.loras import LoraResolver, LoraUnavailable
 from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.settings import WorkerSettings
 from ferry.worker.serve.writes import Delivery, Discard, Finish, JobWrite, finish
@@ -75,6 +77,7 @@ class JobStart:
     picked_at: float = 0.0  # unix time this worker read its queue entry
     ready_at: float = 0.0  # unix time it was started and its prompt rendered: handed to the engine
     traced: bool = False  # tracing on: its end carries its times for spans (`worker.serve.job_trace`)
+    lora: LoRARequest | None = None  # the adapter it runs with (`JobRequest.lora`, from the registry)
 
     @property
     def trace_id(self) -> str | None:
@@ -113,6 +116,7 @@ class JobStarter:
     def __init__(self, client: redis.Redis, keys: Keys, settings: WorkerSettings, worker_id: str,
                  renderer: PromptRenderer, tracer: JobTracer | None = None) -> None:
         self.client = client
+        self.loras = LoraResolver(client, keys, settings.served_model_name, settings.engine.enable_lora)
         self.tracer = tracer  # tracing on: a started job's queue wait and intake become spans
         self.keys = keys
         self.settings = settings
@@ -147,6 +151,7 @@ class JobStarter:
         for i, c in enumerate(candidates):
             decision = self._decide(c, answers[2 * i], answers[2 * i + 1])
             (decided if isinstance(decision, _Decided) else writes).append(decision)
+        self.loras.prefetch({job.request.lora for job in decided if job.request.lora is not None})
         return self._start_all(decided, writes)
 
     def _decide(self, c: _Candidate, job: dict[str, str], entries: list) -> _Decided | JobWrite:
@@ -235,8 +240,15 @@ class JobStarter:
         return ok, writes
 
     def _render(self, job: _Decided) -> JobStart | Finish:
-        """The started job with its prompt as token ids, or the write that fails it (a prompt the model cannot take)."""
+        """The started job with its prompt as token ids and its adapter, or the write that fails it (an adapter
+        this worker cannot serve, a prompt the model cannot take)."""
         c = job.candidate
+        try:
+            lora = None if job.request.lora is None else self.loras.request_for(job.request.lora)
+        except LoraUnavailable as exc:
+            log.warning("job failed", extra={"job_id": c.job_id, "code": ErrorCode.LORA_NOT_FOUND, "error": str(exc)})
+            event = FailedEvent(seq=job.streamed.next_seq, code=ErrorCode.LORA_NOT_FOUND, message=str(exc))
+            return finish(c.job_id, c.delivery, event, self.worker_id)
         try:
             prompt_ids = self.renderer.render(job.request)
             if job.request.task != "generate":
@@ -246,7 +258,8 @@ class JobStarter:
             event = FailedEvent(seq=job.streamed.next_seq, code=ErrorCode.INVALID_PROMPT, message=str(exc))
             return finish(c.job_id, c.delivery, event, self.worker_id)
         start = JobStart(c.job_id, c.delivery, job.request, prompt_ids, job.attempts, job.started_at,
-                         job.first_token_at, job.deadline, job.streamed, job.traceparent, job.picked_at, time.time())
+                         job.first_token_at, job.deadline, job.streamed, job.traceparent, job.picked_at, time.time(),
+                         lora=lora)
         if self.tracer is not None:
             start.traced = True
             operation = "chat" if job.request.messages is not None else "text_completion"

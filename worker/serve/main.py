@@ -30,7 +30,7 @@ from ferry.worker.common.connect import UNAVAILABLE, connect
 from ferry.worker.common.tracing import TracingConfigError, tracing_from_env
 from ferry.worker.engine import RankFailedError
 from ferry.worker.protocol import Keys
-from ferry.worker.serve import jsonlog, startup
+from ferry.worker.serve import jsonlog, loras, startup
 from ferry.worker.serve.components import CancelListener, Component, Heartbeat
 from ferry.worker.serve.health import serve
 from ferry.worker.serve.intake import Intake
@@ -120,6 +120,9 @@ class Worker:
                                       self.metrics, self.draining)
         call_with_backoff(intake.reader.ensure_groups, what="ensure groups", stop=self.draining,
                           max_delay_s=s.redis_backoff_max_s)
+        adapters = loras.operator_entries(s.lora_modules, s.served_model_name)
+        call_with_backoff(lambda: loras.register(self.client, self.keys, adapters), what="register LoRA adapters",
+                          stop=self.draining, max_delay_s=s.redis_backoff_max_s)
         served.loop.thread.start()
         self.publisher_thread.thread.start()
         intake.thread.start()

@@ -13,15 +13,16 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import PydanticBaseSettingsSource
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode, PydanticBaseSettingsSource
 
 from ferry.worker.common.settings import FerrySettings
 from ferry.worker.engine.config import EngineConfig, SpeculativeConfig
 from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
 from ferry.worker.models.sources import BadReferenceError, parse_ref
+from ferry.worker.protocol.loras import LoraModule, parse_lora_modules
 from ferry.worker.serve.reasoning_parsers import PARSERS as REASONING_PARSERS
 from ferry.worker.serve.tool_parsers import DEFAULT_PARSER, PARSERS
 
@@ -70,6 +71,12 @@ class WorkerSettings(FerrySettings):
     # worker.serve.reasoning_parsers); unset: a chat's output is not split into reasoning and content
     reasoning_parser: Literal[tuple(REASONING_PARSERS)] | None = None  # type: ignore[valid-type]
 
+    # LoRA adapters this worker registers for its model and loads at start (vLLM's --lora-modules):
+    # `name=ref,...`, a JSON object per entry, or a JSON list (worker.protocol.loras). With any, LoRA is
+    # on unless FERRY_ENABLE_LORA says otherwise (the engine's enable_lora, max_loras, max_lora_rank and
+    # max_cpu_loras are FERRY_ENABLE_LORA, FERRY_MAX_LORAS, FERRY_MAX_LORA_RANK, FERRY_MAX_CPU_LORAS).
+    lora_modules: Annotated[list[LoraModule], NoDecode] = Field(default_factory=list)
+
     worker_id: str | None = None  # default: hostname-pid
     # The node's model cache (FERRY_MODEL_CACHE, the engine's model_cache_dir) is capped at this
     # many GB: least recently used downloads are removed after a new one (worker/models/sources/)
@@ -116,10 +123,35 @@ class WorkerSettings(FerrySettings):
     @model_validator(mode="before")
     @classmethod
     def _engine_model(cls, data: Any) -> Any:
-        """A partial engine config (say only FERRY_DTYPE) still serves the default model."""
-        if isinstance(data, dict) and isinstance(data.get("engine"), dict) and "model" not in data["engine"]:
-            data = {**data, "engine": {**data["engine"], "model": DEFAULT_MODEL}}
+        """A partial engine config (say only FERRY_DTYPE) still serves the default model; LoRA adapters
+        to serve turn LoRA on unless FERRY_ENABLE_LORA is given."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("lora_modules") and data.get("engine") is None:
+            data = {**data, "engine": {}}
+        engine = data.get("engine")
+        if isinstance(engine, dict):
+            if data.get("lora_modules") and "enable_lora" not in engine:
+                engine = {**engine, "enable_lora": True}
+            data = {**data, "engine": {"model": DEFAULT_MODEL, **engine}}
         return data
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> Any:
+        return parse_lora_modules(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _loras_of_this_model(self) -> WorkerSettings:
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ValueError("FERRY_LORA_MODULES needs LoRA: FERRY_ENABLE_LORA is false")
+        for module in self.lora_modules:
+            if module.name == self.served_model_name:
+                raise ValueError(f"FERRY_LORA_MODULES: adapter {module.name!r} has the served model's name")
+            if module.base_model_name not in (None, self.served_model_name):
+                raise ValueError(f"FERRY_LORA_MODULES: adapter {module.name!r} is for {module.base_model_name!r}; "
+                                 f"this worker serves {self.served_model_name!r}")
+        return self
 
     @classmethod
     def variable_names(cls) -> set[str]:

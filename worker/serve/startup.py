@@ -1,5 +1,6 @@
-"""Loading what a worker serves: the engine (and its tensor-parallel ranks), the prefix-cache
-snapshot restored into it, the engine loop around it, and the intake's own prompt renderer."""
+"""Loading what a worker serves: the engine (and its tensor-parallel ranks), its operator LoRA
+adapters (`worker.serve.loras`), the prefix-cache snapshot restored into it, the engine loop around
+it, and the intake's own prompt renderer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from ferry.worker.engine import Engine
 from ferry.worker.models.loader import local_model
+from ferry.worker.serve import loras
 from ferry.worker.serve.engine_loop import EngineLoop
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.pacing import BackgroundPacing
@@ -61,6 +63,7 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
                                        settings.s3_endpoint_url)
             snapshots.restore()
             idle_task = snapshots.save_if_due
+        loras.load_all(engine, loras.operator_entries(settings.lora_modules, settings.served_model_name))
         pacing = BackgroundPacing(settings.background_pause_ratio, settings.background_pause_window_s)
         renderer = PromptRenderer.for_model(engine.model_dir, settings.tool_call_parser)
         reasoning = (None if settings.reasoning_parser is None
