@@ -88,6 +88,23 @@ class AttentionMetadata:
         )
 
 
+_MAX_PADDING = 2.0  # a padded grid is used while it holds at most this many places per adapted row
+
+
+def _padded_grid(adapted: torch.Tensor, segments: list[tuple[int, int, int]], device):
+    """LoraMapping.padded for these groups, or None where the grid would be mostly padding (one
+    adapter with many rows beside others with few)."""
+    slots, width = segments[-1][0] + 1, max(count for _, _, count in segments)
+    if slots * width > _MAX_PADDING * adapted.numel():
+        return None
+    rows = torch.zeros(slots * width, dtype=torch.int64)  # spare places read row 0 (their result is dropped)
+    valid = torch.empty(adapted.numel(), dtype=torch.int64)
+    for slot, start, count in segments:
+        rows[slot * width : slot * width + count] = adapted[start : start + count]
+        valid[start : start + count] = torch.arange(slot * width, slot * width + count)
+    return slots, width, rows.to(device), valid.to(device)
+
+
 @dataclass
 class LoraMapping:
     """Which LoRA slot each row of a flat batch uses this step (-1: none, the base model alone).
@@ -102,6 +119,10 @@ class LoraMapping:
     # and each group's (slot, start, count) in it: the CPU path gathers and scatters once per product
     adapted_rows: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] | None = None
+    # The same rows as one [slots, width] grid for batched products, where padding it costs little
+    # (slots 0 .. the highest present, `width` rows each, the spare places filled with row 0):
+    # `padded_rows` [slots * width] rows of x, `padded_valid` [n] each adapted row's place in it
+    padded: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # (slots, width, padded_rows, padded_valid)
 
     @classmethod
     def build(cls, slot_of_row: list[int], device: torch.device | str = "cpu") -> LoraMapping:
@@ -121,7 +142,8 @@ class LoraMapping:
                 segments.append((slot, start - first, count))
                 start += count
         one_slot = groups[0][0] if len(groups) == 1 and groups[0][1].numel() == len(slot_of_row) else None
-        return cls(host.to(device), groups, one_slot, order_dev[first:], segments)
+        padded = _padded_grid(order[first:], segments, device) if len(segments) > 1 else None
+        return cls(host.to(device), groups, one_slot, order_dev[first:], segments, padded)
 
     @property
     def active(self) -> bool:

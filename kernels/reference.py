@@ -427,6 +427,13 @@ def add_lora(
             y.index_add_(0, rows, lora_delta(x.index_select(0, rows), lora_a[slot], lora_b[slot]))
         return
     compute = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    if mapping.padded is not None:  # every adapter's rows in one grid: two batched products
+        slots, width, rows, valid = mapping.padded
+        grid = x.index_select(0, rows).to(compute).view(slots, width, -1)  # [slots, width, in]
+        shrunk = torch.bmm(grid, lora_a[:slots].to(compute).transpose(1, 2))  # [slots, width, R]
+        update = torch.bmm(shrunk, lora_b[:slots].to(compute).transpose(1, 2))  # [slots, width, out]
+        y.index_add_(0, mapping.adapted_rows, update.view(slots * width, -1).index_select(0, valid).to(y.dtype))
+        return
     grouped = x.index_select(0, mapping.adapted_rows).to(compute)  # [n, in], rows by slot
     update = torch.empty(grouped.shape[0], y.shape[1], dtype=compute, device=y.device)  # [n, out]
     for slot, start, count in mapping.segments:

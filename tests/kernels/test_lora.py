@@ -35,6 +35,10 @@ SLOTS = {
     "one-slot": [1] * 9,
     "one-slot-and-none": [-1, 1, 1, -1, 1],
     "single-row": [3],
+    # one adapter with most rows: a padded grid would be mostly padding, so the products run per adapter
+    "skewed": [0] * 10 + [1, 2, -1],
+    # slots 1 and 2 absent between 0 and 3: the grid pads them whole
+    "gap": [3, 0, 3, -1, 0],
 }
 
 
@@ -113,6 +117,16 @@ def test_build_one_slot_and_inactive_batches():
         none = LoraMapping.build(slots, "cpu")
         assert not none.active and none.groups == [] and none.all_rows_one_slot is None
         assert none.slot_of_row.shape == (len(slots),)
+
+
+def test_build_takes_the_padded_grid_only_where_padding_is_cheap():
+    assert LoraMapping.build(SLOTS["mixed"]).padded[:2] == (4, 4)  # 16 places for 8 adapted rows
+    assert LoraMapping.build(SLOTS["gap"]).padded[:2] == (4, 2)
+    assert LoraMapping.build(SLOTS["skewed"]).padded is None  # 30 places for 12 rows
+    assert LoraMapping.build(SLOTS["one-slot-and-none"]).padded is None  # one adapter: no grid needed
+    slots, width, rows, valid = LoraMapping.build(SLOTS["gap"]).padded
+    assert rows.view(slots, width)[3].tolist() == [0, 2] and rows.view(slots, width)[0].tolist() == [1, 4]
+    assert rows[valid].tolist() == LoraMapping.build(SLOTS["gap"]).adapted_rows.tolist()
 
 
 def test_build_refuses_slots_below_minus_one():

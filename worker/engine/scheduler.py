@@ -178,8 +178,9 @@ class Scheduler:
                 continue
             if request.lora is not None and (slots_full or not self.lora.acquire(request)):
                 # Every slot serves running requests of other adapters. Admitting more of those
-                # would keep the slots busy for ever; they drain, and the first slot freed is this one's.
-                slots_full = True
+                # would keep the slots busy for ever; they drain, and the first slot freed is this
+                # one's. (An adapter dropped from memory meanwhile is read again: no slot shortage.)
+                slots_full = slots_full or not request.awaiting_lora
                 index += 1
                 continue
             if request.crossed_long_rope_switch:  # preempted just as it grew past the switch: holds no KV

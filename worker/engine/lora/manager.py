@@ -4,9 +4,13 @@ Three tiers, as in vLLM and S-LoRA:
 - files: the adapter's directory, or its copy in the node's model cache (an s3:// or hf:// ref,
   downloaded once per node);
 - host memory: adapters read and checked (`lora_adapter.read_adapter`), up to
-  `host_capacity`, least recently used dropped first. Reading happens on a loader thread, never
-  on the engine's: a request whose adapter is not in memory waits (`Request.awaiting_lora`)
-  while the batch goes on without it;
+  `host_capacity`. Reading happens on loader threads, never on the engine's: a request whose
+  adapter is not in memory waits (`Request.awaiting_lora`) while the batch goes on without it.
+  Memory holds the adapters the waiting requests need first, in the scheduler's order
+  (`poll`): only those are read, and only others are dropped to make room, least recently used
+  first (an adapter in a slot needs no host copy). So an adapter read for a waiting request stays until that request
+  runs (it is never read twice while it waits), and a queue of many adapters is read a window at
+  a time instead of all at once;
 - device slots: `max_loras` of them in the model (worker/models/lora_layers.py). A request is
   admitted only with its adapter in a slot (`acquire`); a slot no running request uses is
   reused for another adapter, least recently used first. Copying an adapter into a slot is a
@@ -37,6 +41,7 @@ from ferry.worker.models.lora_adapter import LoraWeights, read_adapter
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (name, path): LoRARequest.key
+_LOADER_THREADS = 4  # adapters read at once (downloads and file reads: mostly waiting on I/O)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +69,10 @@ class LoraManager:
         self._slot_key: list[Key | None] = [None] * max_loras
         self._slot_refs = [0] * max_loras  # running requests using each slot
         self._slot_of: dict[Key, int] = {}
+        self._slot_fingerprint: dict[Key, str] = {}  # of each adapter in a slot (its host copy may be gone)
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+        self._pool = ThreadPoolExecutor(max_workers=_LOADER_THREADS, thread_name_prefix="lora-load")
+        self._protected: set[Key] = set()  # adapters the next waiting requests need: never dropped
         self.stats = LoraStats()
 
     # --- loading ---------------------------------------------------------------------------------
@@ -76,16 +83,16 @@ class LoraManager:
             self._keep(self._read(lora))
 
     def prepare(self, request: Request) -> None:
-        """A new request's adapter: ready if in memory, else its loading starts in the background."""
-        adapter = self._loaded.get(request.lora.key)
-        if adapter is not None:
-            self._ready(request, adapter)
-        elif request.lora.key not in self._loading:
-            self._loading[request.lora.key] = self._pool.submit(self._read, request.lora)
+        """A new request's adapter: ready if in memory; otherwise `poll` starts reading it when it
+        is among the adapters the waiting requests need first."""
+        fingerprint = self._fingerprint(request.lora.key)
+        if fingerprint is not None:
+            self._ready(request, fingerprint)
 
     def poll(self, waiting: list[Request]) -> list[tuple[Request, LoraAdapterError]]:
-        """Take in the loads that finished; mark the waiting requests whose adapter is in memory
-        ready. Returns the requests whose adapter failed to load, with why (they end alone)."""
+        """Take in the loads that finished; start reading the adapters the first waiting requests
+        (scheduler order) need, as far as host memory goes; mark the waiting requests whose adapter
+        is in memory ready. Returns the requests whose adapter failed to load, with why (they end alone)."""
         failures: dict[Key, LoraAdapterError] = {}
         for key, future in list(self._loading.items()):
             if future.done():
@@ -96,6 +103,22 @@ class LoraManager:
                 else:
                     self.stats.load_failures += 1
                     failures[key] = error if isinstance(error, LoraAdapterError) else LoraAdapterError(str(error))
+        # The adapters memory keeps for the waiting requests, in their order. (One in a slot needs
+        # no host copy: the slot holds it, and a request for it takes the slot as it is.)
+        wanted: dict[Key, LoRARequest] = {}
+        for request in waiting:
+            if len(wanted) >= self.host_capacity:
+                break
+            if request.lora is not None and request.lora.key not in self._slot_of and request.lora.key not in failures:
+                wanted.setdefault(request.lora.key, request.lora)
+        self._protected = set(wanted)
+        for key, lora in wanted.items():
+            if key in self._loaded or key in self._loading:
+                continue
+            self._make_room(1)
+            if len(self._loaded) + len(self._loading) >= self.host_capacity:
+                break  # memory is full of adapters wanted sooner
+            self._loading[key] = self._pool.submit(self._read, lora)
         failed = []
         for request in waiting:
             if not request.awaiting_lora:
@@ -103,11 +126,15 @@ class LoraManager:
             key = request.lora.key
             if key in failures:
                 failed.append((request, failures[key]))
-            elif key in self._loaded:
-                self._ready(request, self._loaded[key])
-            elif key not in self._loading:  # dropped from memory before it was admitted: read it again
-                self._loading[key] = self._pool.submit(self._read, request.lora)
+            elif (fingerprint := self._fingerprint(key)) is not None:
+                self._ready(request, fingerprint)
         return failed
+
+    def _fingerprint(self, key: Key) -> str | None:
+        """The adapter's content digest, when it is in memory or in a slot (else None: not read yet)."""
+        if key in self._loaded:
+            return self._loaded[key].weights.fingerprint
+        return self._slot_fingerprint.get(key)
 
     def wait(self, timeout_s: float) -> None:
         """Block until some adapter finishes loading, at most `timeout_s` (a step with nothing to run)."""
@@ -132,15 +159,21 @@ class LoraManager:
     def _keep(self, adapter: LoadedAdapter) -> None:
         self._loaded[adapter.lora.key] = adapter
         self._loaded.move_to_end(adapter.lora.key)
-        while len(self._loaded) > self.host_capacity:
-            victim = next((k for k in self._loaded if k not in self._slot_of), None)
+        self._make_room(0)
+
+    def _make_room(self, more: int) -> None:
+        """Drop adapters, least recently used first, until `more` fit beside the loaded and loading
+        ones; never one the next waiting requests want (memory may then stay over `host_capacity`
+        by what add_lora loaded on request)."""
+        while len(self._loaded) + len(self._loading) + more > self.host_capacity:
+            victim = next((k for k in self._loaded if k not in self._protected), None)
             if victim is None:
-                break
+                return
             del self._loaded[victim]
 
-    def _ready(self, request: Request, adapter: LoadedAdapter) -> None:
+    def _ready(self, request: Request, fingerprint: str) -> None:
         """The request's KV goes into the adapter's own prefix-cache namespace (by its content)."""
-        salt, cache_salt = f"{self._model_salt}|lora:{adapter.weights.fingerprint}", request.params.cache_salt
+        salt, cache_salt = f"{self._model_salt}|lora:{fingerprint}", request.params.cache_salt
         request.cache_extra = cache_extra(salt, cache_salt)
         if request.long_rope_after is not None:
             request.long_rope_cache_extra = cache_extra(f"{salt}|longrope-long", cache_salt)
@@ -158,7 +191,7 @@ class LoraManager:
         slot = self._slot_of.get(key)
         if slot is None:
             adapter = self._loaded.get(key)
-            if adapter is None:  # dropped from memory since it was ready: poll reads it again
+            if adapter is None:  # its slot was refilled and its host copy dropped since it was ready: poll reads it again
                 request.lora_ready = False
                 return False
             slot = next((s for s in self._slot_lru if self._slot_refs[s] == 0), None)
@@ -166,9 +199,10 @@ class LoraManager:
                 return False
             old = self._slot_key[slot]
             if old is not None:
-                del self._slot_of[old]
+                del self._slot_of[old], self._slot_fingerprint[old]
             self._executor.write_lora(slot, adapter)
             self._slot_key[slot], self._slot_of[key] = key, slot
+            self._slot_fingerprint[key] = adapter.weights.fingerprint
             self.stats.slot_loads += 1
         self._slot_refs[slot] += 1
         self._slot_lru.move_to_end(slot)
@@ -193,7 +227,7 @@ class LoraManager:
             slot = self._slot_of.get(key)
             if slot is not None and self._slot_refs[slot] == 0:
                 self._executor.clear_lora(slot)
-                del self._slot_of[key]
+                del self._slot_of[key], self._slot_fingerprint[key]
                 self._slot_key[slot] = None
         return bool(keys)
 
