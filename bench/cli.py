@@ -61,6 +61,7 @@ SUITES = {
         Suite("quantized", "bench.quantized", ("--quick",), takes_model=False),
         Suite("tensor_parallel", "bench.tensor_parallel", ("--quick",), takes_model=False),
         Suite("model_families", "bench.model_families", ("--quick",), takes_model=False),
+        Suite("lora", "bench.lora", ("--quick",), takes_model=False),
     )
 }
 

@@ -258,6 +258,35 @@ def plot_linear_cpu(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "linear_cpu.png")]
 
 
+def plot_lora(data: dict, out_dir: Path) -> list[Path]:
+    """Output tokens/s of a batch spread over LoRA adapters beside the base model alone (left) and
+    the time to first token of a request whose adapter comes from S3 (right)."""
+    results = data.get("results") or {}
+    systems = (results.get("throughput") or {}).get("systems") or {}
+    cold = (results.get("cold") or {}).get("ttft_median_s") or {}
+    if not systems:
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(systems)
+    left.bar(names, [systems[n]["tokens_per_s"] for n in names],
+             color=["tab:gray" if n == "base" else "tab:green" for n in names])
+    for i, n in enumerate(names):
+        left.annotate(f"{systems[n]['over_base']:.2f}x", (i, systems[n]["tokens_per_s"]), ha="center", va="bottom")
+    left.set_ylabel("output tokens/s")
+    left.set_title("batch over 8 adapters vs the base model")
+    if cold:
+        labels = {"cold_adapter_s": "adapter from S3\n(never seen)", "warm_adapter_s": "same adapter\nagain",
+                  "base_s": "base model"}
+        keys = [k for k in labels if k in cold]
+        right.bar([labels[k] for k in keys], [cold[k] * 1e3 for k in keys], color="tab:blue")
+        right.set_ylabel("time to first token, ms")
+        right.set_title("a request's first token")
+    else:
+        right.axis("off")
+    fig.suptitle(f"multi-LoRA, {_get_model(data)}")
+    return [_save(fig, out_dir / "lora.png")]
+
+
 def plot_quantized(data: dict, out_dir: Path, suite: str = "quantized") -> list[Path]:
     """Output tokens/s per system and batch (left) and resident weight MB per system (right); one
     figure per file type and kernel (`suite`: quantized, quantized_q4_k_m, quantized_q4_k_m_avx2, ...)."""
@@ -358,7 +387,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     drawers = {
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
         "batch": plot_batch, "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
-        "redis_capacity": plot_redis_capacity, "structured": plot_structured,
+        "redis_capacity": plot_redis_capacity, "structured": plot_structured, "lora": plot_lora,
     }
     paths = []
     for suite, data in results.items():

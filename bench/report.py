@@ -26,7 +26,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
                     "quantized_q6_k")
 SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start",
-               *QUANTIZED_SUITES, "redis_capacity", "model_families")
+               *QUANTIZED_SUITES, "redis_capacity", "model_families", "lora")
 
 
 @dataclass
@@ -293,9 +293,21 @@ def model_families_rows(data: dict) -> list[Row]:
     return [r for r in rows if r.ferry is not None and r.baseline is not None]
 
 
+def lora_rows(data: dict) -> list[Row]:
+    """A batch spread over adapters against the same batch on the base model alone."""
+    throughput = _get(data, "results", "throughput") or {}
+    systems = throughput.get("systems") or {}
+    base = _get(systems, "base", "tokens_per_s")
+    rows = [Row("lora", f"output tok/s, batch {throughput.get('requests')} over {throughput.get('adapters')} "
+                f"adapters ({name})", _get(systems, name, "tokens_per_s"), base, "the base model alone", True)
+            for name in systems if name != "base"]
+    return [r for r in rows if r.ferry is not None and r.baseline is not None]
+
+
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
     "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "model_families": model_families_rows,
+    "lora": lora_rows,
     **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
 

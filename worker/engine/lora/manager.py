@@ -191,7 +191,7 @@ class LoraManager:
         slot = self._slot_of.get(key)
         if slot is None:
             adapter = self._loaded.get(key)
-            if adapter is None:  # its slot was refilled and its host copy dropped since it was ready: poll reads it again
+            if adapter is None:  # its slot was refilled and its host copy dropped since: poll reads it again
                 request.lora_ready = False
                 return False
             slot = next((s for s in self._slot_lru if self._slot_refs[s] == 0), None)
