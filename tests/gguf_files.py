@@ -1,7 +1,7 @@
 """GGUF files written from the tiny HF checkpoints of tiny_models.py, the way llama.cpp's converter
 writes them: `{arch}.*` hyper-parameters, the byte-level BPE tokenizer with its chat template in
-the metadata, llama q/k rows permuted for llama.cpp's rotary kernel, 1-D tensors (norms, biases)
-kept F32, every matrix in the chosen type.
+the metadata, llama q/k rows permuted for llama.cpp's rotary kernel, Gemma's norms stored as w + 1
+(Gemma2Model / Gemma3Model), 1-D tensors (norms, biases) kept F32, every matrix in the chosen type.
 
 `gguf` can quantize to F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1. It cannot quantize to the
 K-quants; for those the blocks are random bytes with small scales, so the weights are the file's
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 from transformers import AutoConfig, PreTrainedTokenizerFast
@@ -49,6 +49,13 @@ LAYER_NAMES = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Gemma 2/3's sandwich norms (llama.cpp's ffn_norm is Gemma's pre-feed-forward norm).
+GEMMA_LAYER_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GEMMA_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
 # One expert's matrix in a checkpoint -> the GGUF tensor that stacks it with the layer's other experts.
 EXPERT_PIECES = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
                  "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
@@ -60,12 +67,13 @@ K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0,
 K_SCALE = {"Q2_K": 4e-3, "Q3_K": 1e-3, "Q4_K": 1.1e-3, "Q5_K": 5.5e-4, "Q6_K": 1.8e-4}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    names = {**LAYER_NAMES, **GEMMA_LAYER_NAMES} if gemma else LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -81,6 +89,7 @@ def write_gguf(
     arch: str | None = None,
     overrides: dict[str, np.ndarray] | None = None,
     types: dict[str, str] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
     tokenizer_model: str = "gpt2",
     seed: int = 0,
 ) -> Path:
@@ -88,22 +97,29 @@ def write_gguf(
 
     `arch` replaces the config's model type in the file (e.g. "falcon"); `overrides` gives raw
     arrays for some HF names, stored in their numpy dtype (an F64 norm, say); `types` other types
-    for some GGUF names (a mix as llama.cpp's Q4_K_M writes: {"blk.0.attn_v.weight": "Q8_0"})."""
+    for some GGUF names (a mix as llama.cpp's Q4_K_M writes: {"blk.0.attn_v.weight": "Q8_0"}); `extra`
+    F32 tensors under GGUF names beyond the model's (a vision tower's `v.*`, say)."""
     config = AutoConfig.from_pretrained(hf_dir)
-    arch = arch or {"mistral": "llama", **MOE_ARCH}.get(config.model_type, config.model_type)
+    gemma = config.model_type in GEMMA_ARCH
+    arch = arch or {"mistral": "llama", **MOE_ARCH, **GEMMA_ARCH}.get(config.model_type, config.model_type)
     weights = stack_experts(load_file(str(hf_dir / "model.safetensors")))
     writer = GGUFWriter(out, arch)
     writer.add_name(f"tiny {config.model_type}")
-    _write_hyperparameters(writer, config)
+    if gemma:
+        _write_gemma_hyperparameters(writer, config)
+    else:
+        _write_hyperparameters(writer, config)
     # The tokenizer as saved: AutoTokenizer would pick the architecture's class, and Qwen2's adds a token.
     _write_tokenizer(writer, PreTrainedTokenizerFast.from_pretrained(hf_dir), tokenizer_model)
     rng = np.random.default_rng(seed)
     for hf_name, tensor in weights.items():
-        name = hf_name if hf_name.startswith("blk.") else gguf_name(hf_name)
+        name = hf_name if hf_name.startswith("blk.") else gguf_name(hf_name, gemma)
         if overrides and hf_name in overrides:
             writer.add_tensor(name, overrides[hf_name])
             continue
         data = tensor.astype(np.float32)
+        if gemma and name.endswith("norm.weight"):
+            data = data + np.float32(1)  # the converter's `data_torch + 1`: llama.cpp multiplies by the weight
         tensor_type = (types or {}).get(name, qtype)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
@@ -120,6 +136,8 @@ def write_gguf(
         else:
             kind = GGMLQuantizationType[tensor_type]
             writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -184,6 +202,39 @@ def _write_hyperparameters(writer: GGUFWriter, config) -> None:
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+
+
+def _write_gemma_hyperparameters(writer: GGUFWriter, config) -> None:
+    """What llama.cpp's Gemma2Model / Gemma3Model write. The file cannot say query_pre_attn_scalar,
+    the layer pattern or Gemma 3's local rope: the checkpoint must have llama.cpp's fixed ones."""
+    pattern = 2 if config.model_type == "gemma2" else 6
+    assert config.query_pre_attn_scalar == config.head_dim
+    assert config.layer_types == [
+        "full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(config.num_hidden_layers)
+    ]
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":  # no rope keys: llama.cpp's default base 10000
+        assert config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        return
+    assert config.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    rope = config.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(rope["rope_theta"])  # the global layers'
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
 def _write_tokenizer(writer: GGUFWriter, tokenizer, model: str) -> None:

@@ -3,8 +3,8 @@
 `read_gguf` parses and checks a file without touching tensor data: the architecture and its
 hyper-parameters from the `general.*` / `{arch}.*` metadata, every tensor mapped to its HF name
 through one table, and each name and shape checked against what the HF config implies.
-`write_checkpoint` then writes the checkpoint: config.json (an ordinary LlamaConfig, Qwen2Config,
-Qwen3Config, Phi3Config, MixtralConfig or Qwen2/3-MoE config; experts: gguf_experts.py),
+`write_checkpoint` then writes the checkpoint: config.json (an ordinary LlamaConfig, Qwen2Config, Qwen3Config,
+Phi3Config, MixtralConfig, Qwen2/3-MoE config (experts: gguf_experts.py) or Gemma 2/3 config (gguf_gemma.py)),
 generation_config.json, the tokenizer transformers builds from the file's metadata (chat
 template included), and the weights, dequantized tensor by tensor with `gguf.quants.dequantize`.
 Where and when that happens is `gguf_cache.py`'s job.
@@ -52,6 +52,7 @@ from transformers import (
 
 from ferry.worker.models.config import UnsupportedModelError
 from ferry.worker.models.gguf_experts import is_moe, map_expert_tensor, moe_config_kwargs, on_disk_names
+from ferry.worker.models.gguf_gemma import GEMMA_FAMILY, GEMMA_MODELS, gemma_config_kwargs, refuse_vision
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class _Family:
     model_class: type  # built on the meta device to list the tensors and shapes a config implies
     permuted_qk: bool  # llama.cpp reordered the q/k rows for its rotary kernel
     layer_names: dict[str, str] = field(default_factory=dict)  # the family's own GGUF key -> HF module
+    norm_offset: float = 0.0  # added to every `*norm.weight`: -1 for Gemma (llama.cpp stores w + 1)
 
 
 _FAMILIES = {
@@ -78,6 +80,7 @@ _FAMILIES = {
     # mixture of experts (gguf_experts.py); a llama file with experts is Mixtral (_MIXTRAL)
     "qwen2moe": _Family(Qwen2MoeConfig, Qwen2MoeForCausalLM, permuted_qk=False),
     "qwen3moe": _Family(Qwen3MoeConfig, Qwen3MoeForCausalLM, permuted_qk=False),
+    **{arch: _Family(*classes, **GEMMA_FAMILY) for arch, classes in GEMMA_MODELS.items()},  # gguf_gemma.py
 }
 _MIXTRAL = _Family(MixtralConfig, MixtralForCausalLM, permuted_qk=True)
 
@@ -120,6 +123,7 @@ class GGUFTensor:
     qtype: GGMLQuantizationType
     data: np.ndarray  # the file's bytes for it (a memmap): whole blocks for quantized types
     permuted_heads: int | None  # llama q/k: heads whose rows llama.cpp interleaved; None otherwise
+    offset: float = 0.0  # added to the file's values (_Family.norm_offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +146,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     path = Path(path)
     reader = _open(path)
     arch = _metadata(reader, path, "general.architecture")
+    refuse_vision(path, arch, {t.name for t in reader.tensors})
     family = _FAMILIES.get(arch)
     if family is None:
         raise UnsupportedModelError(
@@ -180,7 +185,7 @@ def dequantized(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor's values in HF layout: `gguf.quants.dequantize` (float32), q/k rows restored,
     held as F16/BF16 where the file stored it so, float32 otherwise."""
     values = np.require(dequantize(tensor.data, tensor.qtype), np.float32, requirements="CW")  # own, writable copy
-    out = torch.from_numpy(values).reshape(tensor.shape)
+    out = torch.from_numpy(values + tensor.offset if tensor.offset else values).reshape(tensor.shape)
     if tensor.permuted_heads is not None:
         out = _unpermute_rows(out, tensor.permuted_heads)
     return out.to(_STORED_DTYPE.get(tensor.qtype, torch.float32))
@@ -286,6 +291,8 @@ def _hf_config(
         kwargs["qkv_bias"] = "blk.0.attn_q.bias" in names
     if moe:
         kwargs.update(moe_config_kwargs(arch, meta, path))
+    if arch in GEMMA_MODELS:
+        kwargs.update(gemma_config_kwargs(arch, meta, kwargs))
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if arch == "phi3":
@@ -378,7 +385,8 @@ def _map_tensors(
             unknown.append(t.name)
             continue
         shape = tuple(int(n) for n in reversed(t.shape))
-        tensors.append(GGUFTensor(name, t.name, shape, t.tensor_type, t.data, heads))
+        offset = family.norm_offset if t.name.endswith("norm.weight") else 0.0
+        tensors.append(GGUFTensor(name, t.name, shape, t.tensor_type, t.data, heads, offset))
     return tensors, unknown
 
 
