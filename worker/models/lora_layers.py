@@ -1,11 +1,11 @@
 """LoRA slots inside the model: each adaptable projection holds `max_loras` adapters' A and B in
 device memory, and one flat batch mixes rows of different adapters and rows of none.
 
-A projection fusing several checkpoint tensors (q|k|v, gate|up) gives each part its own block
-of `max_rank` rank columns, so its slot is one shrink and one expand with a block-diagonal B:
+A projection fusing several checkpoint tensors (q|k|v, gate|up) holds each part's slots apart,
+and each part adds into its own columns of the fused output:
 
-    lora_a [slots, parts * R, in]    part i's A in rows [i*R, i*R + r)
-    lora_b [slots, out, parts * R]   part i's B in its output rows, columns [i*R, i*R + r)
+    lora_a_{i} [slots, R, in]          part i's A in rows [0, r)
+    lora_b_{i} [slots, part rows, R]   part i's B in columns [0, r)
 
 Ranks below R stay zero-padded. Every row of a step has a slot (`LoraContext.mapping`, set by
 the model runner before the forward pass; -1: the base model alone) and `kernels.ops.add_lora`
@@ -47,7 +47,10 @@ class LoraContext:
 
 class LoraLinear(nn.Module):
     """A projection (nn.Linear or PackedLinear, called through the kernel dispatch) plus its
-    adapters' low-rank updates for the rows that use one."""
+    adapters' low-rank updates for the rows that use one. Each part of a fused projection (q, k,
+    v; gate, up) has its own slots, `lora_a_{i}` [slots, R, in] and `lora_b_{i}` [slots, part
+    rows, R], and adds into its own columns of the output: a step reads only the parts some
+    adapter in it adapts, and no B is padded out to the whole fused width."""
 
     def __init__(self, base: nn.Module, context: LoraContext, in_features: int, part_rows: list[int],
                  max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -55,13 +58,13 @@ class LoraLinear(nn.Module):
         self.base = base
         self.context = context
         self.part_rows = part_rows  # this rank's output rows of each part, in order
-        self.max_rank = max_rank
-        parts = len(part_rows)
-        self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, in_features, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, sum(part_rows), parts * max_rank, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.slot_used = [False] * max_loras  # whether slot s's adapter adapts this projection
+        self.part_starts = [sum(part_rows[:i]) for i in range(len(part_rows))]
+        for i, rows in enumerate(part_rows):
+            self.register_buffer(f"lora_a_{i}", torch.zeros(max_loras, max_rank, in_features, dtype=dtype,
+                                                            device=device), persistent=False)
+            self.register_buffer(f"lora_b_{i}", torch.zeros(max_loras, rows, max_rank, dtype=dtype, device=device),
+                                 persistent=False)
+        self.part_used = [[False] * max_loras for _ in part_rows]  # [part][slot]: that slot's adapter adapts it
 
     @property
     def weight(self):
@@ -74,30 +77,31 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         y = ops.linear(x, self.base.weight, self.base.bias)
         context = self.context
-        if context.active and any(self.slot_used[s] for s in context.active_slots):
-            ops.add_lora(y, x, self.lora_a, self.lora_b, context.mapping)
+        if not context.active:
+            return y
+        whole = len(self.part_rows) == 1
+        for i, (start, rows, used) in enumerate(zip(self.part_starts, self.part_rows, self.part_used, strict=True)):
+            if any(used[s] for s in context.active_slots):
+                columns = y if whole else y[:, start:start + rows]  # this part's outputs (a view: added in place)
+                ops.add_lora(columns, x, getattr(self, f"lora_a_{i}"), getattr(self, f"lora_b_{i}"), context.mapping)
         return y
 
     @torch.no_grad()
     def write(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Slot `slot` := one (A [r, in], B [part rows, r]) per part, this rank's shard (None: the
-        adapter leaves that part alone)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        row = 0
-        for i, (rows, pair) in enumerate(zip(self.part_rows, pairs, strict=True)):
+        adapter leaves that part alone). Ranks below R stay zero."""
+        for i, pair in enumerate(pairs):
+            a_slot, b_slot = getattr(self, f"lora_a_{i}")[slot], getattr(self, f"lora_b_{i}")[slot]
+            a_slot.zero_()
+            b_slot.zero_()
             if pair is not None:
                 a, b = pair
-                r = a.shape[0]
-                self.lora_a[slot, i * self.max_rank:i * self.max_rank + r].copy_(a)
-                self.lora_b[slot, row:row + rows, i * self.max_rank:i * self.max_rank + r].copy_(b)
-            row += rows
-        self.slot_used[slot] = any(p is not None for p in pairs)
+                a_slot[:a.shape[0]].copy_(a)
+                b_slot[:, :b.shape[1]].copy_(b)
+            self.part_used[i][slot] = pair is not None
 
     def clear(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        self.slot_used[slot] = False
+        self.write(slot, [None] * len(self.part_rows))
 
 
 def attach_lora(model, max_loras: int, max_rank: int) -> LoraContext:
@@ -145,15 +149,31 @@ def write_slot(model, slot: int, weights: LoraWeights, arch: ModelArch, shard: S
             target = f"layers.{i}.{projection}.weight"
             pairs = [_shard_pair(weights.pairs.get((i, projection, part)), arch, shard, target, part)
                      for part in parts]
+            if projection == "self_attn.qkv_proj" and arch.rope.rotary_dim:
+                pairs = _rotary_order(pairs, module.part_rows, local)
             module.write(slot, pairs)
-            if projection == "self_attn.qkv_proj" and arch.rope.rotary_dim and module.slot_used[slot]:
-                reorder_rotary_rows(module.lora_b[slot], local)  # as the base's q/k rows were at load
 
 
 def clear_slot(model, slot: int) -> None:
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.clear(slot)
+
+
+def _rotary_order(pairs: list, part_rows: list[int], local: ModelArch) -> list:
+    """q and k parts' B rows in the order the base's q/k rows were put in at load (partial rotary:
+    config.reorder_rotary_rows, which reorders the q and k heads of a fused q/k/v row block)."""
+    out = list(pairs)
+    for i in (0, 1):  # q, k
+        if pairs[i] is None:
+            continue
+        a, b = pairs[i]
+        fused = b.new_zeros(sum(part_rows), b.shape[1])  # [q + 2 kv, r]
+        start = sum(part_rows[:i])
+        fused[start:start + part_rows[i]] = b
+        reorder_rotary_rows(fused, local)
+        out[i] = (a, fused[start:start + part_rows[i]])
+    return out
 
 
 def _shard_pair(pair, arch: ModelArch, shard: Shard, target: str, part: str | None):
