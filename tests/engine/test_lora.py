@@ -117,6 +117,29 @@ def test_the_prefix_cache_is_kept_apart_per_adapter(adapters, references):
         refs["qv-r8"][2], refs[None][2], refs["all-r16"][2], refs["qv-r8"][2]]
 
 
+def test_an_adapters_blocks_move_to_another_engine_and_serve_only_that_adapter(adapters, references):
+    # What a snapshot does (worker.snapshots, through Engine.prefix_blocks): blocks keyed by the
+    # adapter's content digest, adopted by a fresh engine, hit for the same adapter and no other.
+    base, dirs = adapters
+    prompts, refs = references
+    prompt, qv = prompts[2], LoRARequest("qv-r8", 1, str(dirs["qv-r8"]))
+    source = LLM(str(base), enable_lora=True, max_lora_rank=16)
+    source.generate([prompt], GREEDY, use_tqdm=False, lora_request=qv)
+    blocks = [b for b in source.engine.prefix_blocks.cached() if b.token_ids in (tuple(prompt[:16]),
+                                                                                 tuple(prompt[16:32]))]
+    assert len(blocks) == 2
+    target = LLM(str(base), enable_lora=True, max_lora_rank=16)
+    assert target.engine.prefix_blocks.adopt(blocks, source.engine.prefix_blocks.read([b.key for b in blocks])) == 2
+    base_out = target.generate([prompt], GREEDY, use_tqdm=False)[0]
+    other = target.generate([prompt], GREEDY, use_tqdm=False,
+                            lora_request=LoRARequest("all-r16", 2, str(dirs["all-r16"])))[0]
+    renamed = target.generate([prompt], GREEDY, use_tqdm=False,  # the same files under another name
+                              lora_request=LoRARequest("qv-copy", 3, str(dirs["qv-r8"])))[0]
+    assert (base_out.num_cached_tokens, other.num_cached_tokens, renamed.num_cached_tokens) == (0, 0, 32)
+    assert [base_out.token_ids, other.token_ids, renamed.token_ids] == [refs[None][2], refs["all-r16"][2],
+                                                                         refs["qv-r8"][2]]
+
+
 def test_ngram_speculation_with_an_adapter_keeps_greedy_output(adapters, references):
     base, dirs = adapters
     prompts, refs = references
