@@ -117,8 +117,8 @@ class LoraMapping:
     all_rows_one_slot: int | None  # the slot when every row uses that same slot (no gather/scatter needed), else None
     # Every row with an adapter, grouped by slot ([n] int64 on device: the groups' rows end to end),
     # and each group's (slot, start, count) in it: the CPU path gathers and scatters once per product
-    adapted_rows: torch.Tensor | None = None
-    segments: list[tuple[int, int, int]] | None = None
+    adapted_rows: torch.Tensor
+    segments: list[tuple[int, int, int]]
     # The same rows as one [slots, width] grid for batched products, where padding it costs little
     # (slots 0 .. the highest present, `width` rows each, the spare places filled with row 0):
     # `padded_rows` [slots * width] rows of x, `padded_valid` [n] each adapted row's place in it

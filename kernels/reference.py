@@ -422,10 +422,6 @@ def add_lora(
         slot = mapping.all_rows_one_slot
         y += lora_delta(x, lora_a[slot], lora_b[slot])
         return
-    if mapping.adapted_rows is None:  # a mapping built by hand, without the grouped rows
-        for slot, rows in mapping.groups:
-            y.index_add_(0, rows, lora_delta(x.index_select(0, rows), lora_a[slot], lora_b[slot]))
-        return
     compute = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     if mapping.padded is not None:  # every adapter's rows in one grid: two batched products
         slots, width, rows, valid = mapping.padded

@@ -172,8 +172,8 @@ def random_k_blocks(shape: tuple[int, int], qtype: str, rng: np.random.Generator
     return blocks.reshape(rows, -1)
 
 
-def _write_hyperparameters(writer: GGUFWriter, config) -> None:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def _write_shape(writer: GGUFWriter, config) -> None:
+    """The keys every family's converter writes: lengths, layers, heads, norm epsilon."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -181,6 +181,11 @@ def _write_hyperparameters(writer: GGUFWriter, config) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _write_hyperparameters(writer: GGUFWriter, config) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _write_shape(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     rope = config.rope_parameters
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -212,13 +217,7 @@ def _write_gemma_hyperparameters(writer: GGUFWriter, config) -> None:
     assert config.layer_types == [
         "full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(config.num_hidden_layers)
     ]
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _write_shape(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_sliding_window(config.sliding_window)

@@ -235,8 +235,5 @@ class LoraManager:
         """Names of the adapters in host memory or in a slot."""
         return sorted({k[0] for k in (*self._loaded, *self._slot_of)})
 
-    def in_slots(self) -> list[str]:
-        return sorted(k[0] for k in self._slot_of)
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
