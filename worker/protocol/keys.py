@@ -4,8 +4,10 @@ docs/architecture.md tables them with their types, writers and uses. In short: p
 queue shard, one queue stream per priority (`{p}:q:{s<n>}:{model}:{priority}`); per job, a hash
 (`{p}:job:{s<n>}:{id}`), an event stream (`{p}:job:{s<n>}:{id}:events`) and a pub/sub channel
 (the hash's name: channels and keys are separate namespaces, so they share it on purpose);
-idempotency keys; the cancel channel; the dead-letter stream; worker heartbeats; the LoRA adapter
-registry; the webhook relay's bookkeeping; Celery's broker keys under `{p}:celery:`.
+idempotency keys; the cancel channel; per worker and shard a hand-off stream
+(`{p}:q:{s<n>}:{model}:to:{worker}`, jobs moved to the worker that holds their LoRA adapter); the
+dead-letter stream; worker heartbeats; the LoRA adapter registry; the webhook relay's bookkeeping;
+Celery's broker keys under `{p}:celery:`.
 
 Shards (Redis Cluster): `{s<n>}` is a hash tag, so a shard's queue streams and the keys of every
 job in it share one hash slot, and each script of the queue (enqueue, start, emit, hand back,
@@ -32,6 +34,7 @@ from ferry.worker.common.settings import MAX_QUEUE_SHARDS
 from ferry.worker.protocol.lanes import Priority
 
 GROUP = "workers"  # the consumer group every worker of a model joins on its queue streams
+HANDOFF_TTL_S = 86_400  # a hand-off stream outlives its worker's last hand-off by this long
 _SHARD_SUFFIX = re.compile(r"-s(\d{1,4})$")  # how a job id names its shard (`new_job_id`)
 
 
@@ -74,6 +77,11 @@ class Keys:
     def queues(self, model: str) -> list[str]:
         """All the model's queue streams in read order: every shard's high, then normal, then low."""
         return [self.queue(model, p, n) for p in Priority for n in range(self.shards)]
+
+    def handoff(self, model: str, shard: int, worker_id: str) -> str:
+        """A worker's hand-off stream in one shard: entries of that shard's queue streams another
+        worker moved to it (`worker.serve.lora_affinity`), read before the queue (the shard's slot)."""
+        return f"{self.prefix}:q:{self.shard_tag(shard)}:{model}:to:{worker_id}"
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{self.shard_tag(self.shard_of(job_id))}:{job_id}"

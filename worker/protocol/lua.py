@@ -188,6 +188,36 @@ end
 return 1
 """
 
+# Move a queue entry this worker holds to a peer (the LoRA affinity: the peer holds the job's
+# adapter): the entry changes owner (its lease goes with it: a peer that dies before starting it
+# loses it to the reaper, nothing is lost) and the peer's hand-off stream gets a wake-up entry.
+# KEYS[1] queue stream, KEYS[2] the peer's hand-off stream (same shard: one slot). ARGV: group,
+# entry id, this worker's consumer name, the peer's, job id, hand-off stream TTL in seconds.
+# Returns 0 when the entry is no longer ours (nothing moved), else 1.
+HAND_OFF = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[4], 0, ARGV[2], 'JUSTID')
+redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[5], 'stream', KEYS[1], 'entry_id', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+return 1
+"""
+
+# Take a hand-off: settle its wake-up entry and, if the queue entry it names is still ours (no
+# reaper took it meanwhile), restart its lease and return its fields (else nil).
+# KEYS[1] this worker's hand-off stream, KEYS[2] the queue stream. ARGV: group, hand-off entry
+# id, queue entry id, this worker's consumer name.
+TAKE_HANDOFF = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+local p = redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[4] then return false end
+redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[4], 0, ARGV[3], 'JUSTID')
+local entry = redis.call('XRANGE', KEYS[2], ARGV[3], ARGV[3])
+if #entry == 0 then return false end
+return entry[1][2]
+"""
+
 # A batch driver's write, fenced by its lease (the Batch API). KEYS: the batch's lease, then the
 # keys the writes name (all of one batch: one hash slot). ARGV[1]: the driver's lease token;
 # ARGV[2]: JSON list of writes `[command, key index (1 = KEYS[2]), args...]` with commands

@@ -44,7 +44,8 @@ class Intake:
                  starter: JobStarter, loop: EngineLoop, publisher: Publisher, metrics: WorkerMetrics,
                  draining: threading.Event) -> None:
         self.settings = settings
-        self.reader = QueueReader(client, keys, settings.served_model_name, worker_id, settings.lease_s)
+        self.reader = QueueReader(client, keys, settings.served_model_name, worker_id, settings.lease_s,
+                                  handoffs=settings.lora_handoffs)
         self.starter = starter
         self.loop = loop
         self.publisher = publisher
@@ -124,10 +125,11 @@ class Intake:
             self._hand_back_unread()
 
     def _hand_back_unread(self) -> None:
-        """Entries the shard reads still in flight claimed after the intake stopped: back to the
-        queue now, not after a lease (another worker takes them at once)."""
+        """Entries the shard reads still in flight claimed after the intake stopped, and jobs peers
+        moved here that were not read yet: back to the queue now, not after a lease (another worker
+        takes them at once)."""
         try:
-            claimed = self.reader.settle(self.settings.read_block_ms / 1000)
+            claimed = self.reader.settle(self.settings.read_block_ms / 1000) + self.reader.handoffs()
             back = [HandBack(d.fields["job_id"], d) for d in claimed if d.fields.get("job_id")]
             if back:
                 log.info("handing back jobs read during the drain", extra={"jobs": [w.job_id for w in back]})
@@ -176,9 +178,12 @@ class Intake:
                 self.leases[job.job_id] = job.delivery
             if job.delivery.reclaimed:
                 self.metrics.reclaimed.inc()
+            if job.delivery.handed:
+                self.metrics.lora_handoffs.labels("received").inc()
             if job.attempts == 1:
                 self.metrics.queue_time.observe(job.started_at - job.request.created_at)
-            log.info("job reclaimed" if job.delivery.reclaimed else "job picked",
+            log.info("job reclaimed" if job.delivery.reclaimed else "job handed over" if job.delivery.handed
+                     else "job picked",
                      extra={"job_id": job.job_id, "attempt": job.attempts, "priority": job.request.priority.value,
                             "resume_tokens": len(job.streamed.token_ids)})
         self.loop.start(starts, arrived=len(deliveries))

@@ -7,7 +7,9 @@ is one atomic script (`running`, attempts + 1, `started` event on the first atte
 what was already generated, so the job resumes where the client left off. A started job's prompt
 is rendered here too (chat template, tokenizer: `worker.serve.render`), off the engine thread;
 a prompt the model cannot take fails the job (`invalid_prompt`). So is its LoRA adapter found
-(`worker.serve.loras`): one this worker cannot serve fails the job (`lora_not_found`).
+(`worker.serve.loras`): one this worker cannot serve fails the job (`lora_not_found`). A job whose
+adapter this worker does not hold while a peer with room does goes to that peer instead of starting
+(`worker.serve.lora_affinity`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ferry.worker.protocol import (
 )
 from ferry.worker.protocol.jobs import TERMINAL_STATES_ARG
 from ferry.worker.serve.job_trace import AttemptStart, JobTracer
+from ferry.worker.serve.lora_affinity import LoraAffinity
 from ferry.worker.serve.loras import LoraResolver, LoraUnavailable
 from ferry.worker.serve.render import PromptRenderer
 from ferry.worker.serve.settings import WorkerSettings
@@ -114,8 +117,10 @@ class _Decided:
 
 class JobStarter:
     def __init__(self, client: redis.Redis, keys: Keys, settings: WorkerSettings, worker_id: str,
-                 renderer: PromptRenderer, tracer: JobTracer | None = None) -> None:
+                 renderer: PromptRenderer, tracer: JobTracer | None = None,
+                 affinity: LoraAffinity | None = None) -> None:
         self.client = client
+        self.affinity = affinity  # LoRA on: jobs go to a peer holding their adapter (None: every job starts here)
         self.loras = LoraResolver(client, keys, settings.served_model_name, settings.engine.enable_lora)
         self.tracer = tracer  # tracing on: a started job's queue wait and intake become spans
         self.keys = keys
@@ -151,6 +156,8 @@ class JobStarter:
         for i, c in enumerate(candidates):
             decision = self._decide(c, answers[2 * i], answers[2 * i + 1])
             (decided if isinstance(decision, _Decided) else writes).append(decision)
+        if self.affinity is not None:
+            decided = self._hand_off(decided)
         self.loras.prefetch({job.request.lora for job in decided if job.request.lora is not None})
         return self._start_all(decided, writes)
 
@@ -207,6 +214,17 @@ class JobStarter:
         first_token_at = float(job["first_token_at"]) if "first_token_at" in job else None
         return _Decided(c, request, attempts + 1, started_at or now, first_token_at, (started_at or now) + timeout,
                         streamed, job.get("traceparent"), now)
+
+    def _hand_off(self, decided: list[_Decided]) -> list[_Decided]:
+        """`decided` less the jobs moved to a peer that holds their adapter (`LoraAffinity`)."""
+        generating = [(job.candidate.delivery, job.candidate.job_id, job.request.lora)
+                      for job in decided if job.request.task == "generate"]
+        moves = self.affinity.choose(generating)
+        if not moves:
+            return decided
+        moved = self.affinity.move([(job.candidate.delivery, job.candidate.job_id, moves[job.candidate.job_id])
+                                    for job in decided if job.candidate.job_id in moves])
+        return [job for job in decided if job.candidate.job_id not in moved]
 
     def _start_all(self, decided: list[_Decided], writes: list[JobWrite]) -> tuple[list[JobStart], list[JobWrite]]:
         """Start the decided jobs (one script each, one round trip), then render their prompts."""

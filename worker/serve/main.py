@@ -36,6 +36,7 @@ from ferry.worker.serve.health import serve
 from ferry.worker.serve.intake import Intake
 from ferry.worker.serve.job_starts import JobStarter
 from ferry.worker.serve.job_trace import JobTracer
+from ferry.worker.serve.lora_affinity import LoraAffinity
 from ferry.worker.serve.metrics import WorkerMetrics
 from ferry.worker.serve.publisher import Publisher, PublisherThread
 from ferry.worker.serve.retry import RetryAbandoned, call_with_backoff
@@ -115,7 +116,8 @@ class Worker:
     def _start(self) -> None:
         """Wire the intake and the side components to the loaded engine, start every thread, turn ready."""
         served, s = self.served, self.settings
-        starter = JobStarter(self.client, self.keys, s, self.worker_id, served.renderer, self.tracer)
+        affinity = LoraAffinity.for_worker(self.client, self.keys, s, self.worker_id, served.loop, self.metrics)
+        starter = JobStarter(self.client, self.keys, s, self.worker_id, served.renderer, self.tracer, affinity)
         self.intake = intake = Intake(self.client, self.keys, s, self.worker_id, starter, served.loop, self.publisher,
                                       self.metrics, self.draining)
         call_with_backoff(intake.reader.ensure_groups, what="ensure groups", stop=self.draining,

@@ -98,6 +98,10 @@ class WorkerMetrics:
         )
         self.jobs = Counter("ferry_jobs", "Jobs this worker finished, by terminal status", ["status"], registry=r)
         self.reclaimed = Counter("ferry_jobs_reclaimed", "Jobs taken over from dead workers", registry=r)
+        self.lora_handoffs = Counter(
+            "ferry_lora_handoffs", "Jobs moved between workers to the one holding their LoRA adapter, by direction "
+            "(sent: read here, served there; received)", ["direction"], registry=r,
+        )
         self.handed_back = Counter("ferry_jobs_handed_back", "Jobs handed back to the queue on drain", registry=r)
         self.background_paused = Counter(
             "ferry_worker_background_paused_seconds", "Seconds the engine held batch work back for live traffic",

@@ -7,6 +7,9 @@
   idle worker with several shards blocks on all of them at once (`worker.serve.shard_watch`).
   `live_only` reads the live lanes alone, for the room a worker full of background jobs keeps
   for live ones (their requests preempt the batch's).
+  With LoRA, each shard's read takes the worker's hand-off stream first: the jobs a peer moved
+  here because this worker holds their adapter (`worker.serve.lora_affinity`); each becomes the
+  queue entry it names, now this worker's (`TAKE_HANDOFF`), or nothing if a reaper took it meanwhile.
 - `reap`: XAUTOCLAIM entries whose lease ran out (their worker died), stream by stream.
 - `renew`: XCLAIM JUSTID every running entry still ours (resets its idle time, which is the
   lease) and read the cancel flags, in one round trip; reports entries another worker took over
@@ -22,6 +25,7 @@ import redis
 
 from ferry.worker.protocol import LIVE_LANES, Keys, Priority, lua
 from ferry.worker.protocol.codec import pairs_to_dict
+from ferry.worker.protocol.keys import HANDOFF_TTL_S
 from ferry.worker.serve.shard_watch import ShardWatch
 from ferry.worker.serve.writes import Delivery
 
@@ -40,7 +44,8 @@ class Renewal:
 class QueueReader:
     """One worker's reads of one model's queue streams (consumer `worker_id` of the group)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, lease_s: float) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, lease_s: float,
+                 handoffs: bool = False) -> None:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
@@ -48,7 +53,10 @@ class QueueReader:
         self.streams = keys.queues(model)  # every shard's, in read order
         self.shard_streams = [keys.shard_queues(model, n) for n in range(keys.shards)]
         self._stream_shard = {stream: n for n, streams in enumerate(self.shard_streams) for stream in streams}
+        # handoffs (LoRA on): each shard's hand-off stream of this worker, read before its queue
+        self.handoff_streams = [keys.handoff(model, n, worker_id) for n in range(keys.shards)] if handoffs else []
         self._read = client.register_script(lua.READ)
+        self._take_handoff = client.register_script(lua.TAKE_HANDOFF)
         self._renew = client.register_script(lua.RENEW)
         self._reap_cursor = dict.fromkeys(self.streams, "0-0")
         self._next_shard = 0  # the shard read first next time (rotates)
@@ -56,13 +64,15 @@ class QueueReader:
         self._watch = ShardWatch(keys.shards, self._read_shard) if keys.shards > 1 else None
 
     def ensure_groups(self) -> None:
-        """Create the consumer group on each queue stream (and the stream) if missing."""
-        for stream in self.streams:
+        """Create the consumer group on each queue and hand-off stream (and the stream) if missing."""
+        for stream in self.streams + self.handoff_streams:
             try:
                 self.client.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        for stream in self.handoff_streams:  # a dead worker's goes away
+            self.client.expire(stream, HANDOFF_TTL_S)
 
     # --- taking entries ------------------------------------------------------------------------
 
@@ -76,12 +86,12 @@ class QueueReader:
         if free - len(out) > 0:
             out += self._read_by_priority(free - len(out), lanes)
         if out or block_ms <= 0:
-            return out
+            return self._taken(self._in_read_order(out))
         if self._watch is not None:
             # Straight back with what woke it: reading the rest of a burst here would cost a read
             # per shard and lane before the first job starts; the next call reads it at once.
-            return self._in_read_order(self._watch.wait(lanes, block_ms, free))
-        out = self._xreadgroup(dict.fromkeys(self.shard_streams[0][:lanes], ">"), count=1, block=block_ms)
+            return self._taken(self._in_read_order(self._watch.wait(lanes, block_ms, free)))
+        out = self._xreadgroup(dict.fromkeys(self._shard_read(0, lanes), ">"), count=1, block=block_ms)
         # Whatever else arrived with it, then the lot in priority order. A client's batch can reach
         # Redis in several reads (its pipeline is processed in chunks, and the blocked read is
         # served after the first), so read until nothing more comes: jobs sent together then
@@ -91,7 +101,7 @@ class QueueReader:
             if not more:
                 break
             out += more
-        return self._in_read_order(out)
+        return self._taken(self._in_read_order(out))
 
     @property
     def in_flight(self) -> int:
@@ -101,14 +111,49 @@ class QueueReader:
     def settle(self, timeout_s: float) -> list[Delivery]:
         """Stop reading: wait up to `timeout_s` for the blocked reads in flight, and return what they
         claimed (a draining worker hands it back)."""
-        return self._watch.settle(timeout_s) if self._watch is not None else []
+        return self._taken(self._watch.settle(timeout_s)) if self._watch is not None else []
+
+    def handoffs(self, room: int = 1000) -> list[Delivery]:
+        """The jobs peers moved here that no read took yet (a draining worker hands them back)."""
+        return self._taken([d for stream in self.handoff_streams for d in self._read_streams([stream], room)])
 
     def _read_shard(self, shard: int, lanes: int, block_ms: int) -> list[Delivery]:
         """One blocked read of a shard's first `lanes` priorities, at most one entry (`ShardWatch`)."""
-        return self._xreadgroup(dict.fromkeys(self.shard_streams[shard][:lanes], ">"), count=1, block=block_ms)
+        return self._xreadgroup(dict.fromkeys(self._shard_read(shard, lanes), ">"), count=1, block=block_ms)
+
+    def _shard_read(self, shard: int, lanes: int) -> list[str]:
+        """The streams one read of a shard takes, in order: its hand-off stream, then `lanes` lanes."""
+        return self.handoff_streams[shard:shard + 1] + self.shard_streams[shard][:lanes]
 
     def _in_read_order(self, deliveries: list[Delivery]) -> list[Delivery]:
-        return sorted(deliveries, key=lambda d: self.streams.index(d.stream))
+        """Hand-offs first, then by lane."""
+        handoffs = self.handoff_streams
+        return sorted(deliveries, key=lambda d: -1 if d.stream in handoffs else self.streams.index(d.stream))
+
+    def _taken(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """`deliveries` with each hand-off replaced by the queue entry it names, now ours (or
+        dropped: a reaper took the entry meanwhile)."""
+        handoffs = [d for d in deliveries if d.stream in self.handoff_streams]
+        if not handoffs:
+            return deliveries
+        def build():
+            pipe = self.client.pipeline(transaction=False)
+            for d in handoffs:
+                lua.add(pipe, self._take_handoff, [d.stream, d.fields.get("stream", "")],
+                        [self.keys.group, d.entry_id, d.fields.get("entry_id", ""), self.worker_id])
+            return pipe
+
+        taken = dict(zip((d.entry_id for d in handoffs), lua.execute(build, [self._take_handoff]), strict=True))
+        out = []
+        for d in deliveries:
+            if d.stream not in self.handoff_streams:
+                out.append(d)
+            elif isinstance(fields := taken[d.entry_id], list) and fields:
+                out.append(Delivery(d.fields["stream"], d.fields["entry_id"], pairs_to_dict(fields), handed=True))
+            else:  # nil: a reaper took the entry meanwhile; an error: it stays pending for the reaper
+                log.info("hand-off dropped: its queue entry is no longer ours",
+                         extra={"job_id": d.fields.get("job_id"), "error": str(fields) if fields else None})
+        return out
 
     def _rotate(self) -> int:
         shard = self._next_shard
@@ -120,15 +165,16 @@ class QueueReader:
         shard at once; with several shards, one priority across the shards (first shard rotating)
         before the next."""
         if len(self.shard_streams) == 1:
-            return self._read_streams(self.shard_streams[0][:lanes], room)
+            return self._read_streams(self._shard_read(0, lanes), room)
         first = self._rotate()
-        order = [self.shard_streams[(first + i) % len(self.shard_streams)] for i in range(len(self.shard_streams))]
+        order = [(first + i) % len(self.shard_streams) for i in range(len(self.shard_streams))]
         out: list[Delivery] = []
         for lane in range(lanes):
-            for streams in order:
+            for shard in order:
                 if len(out) >= room:
                     return out
-                out += self._read_streams([streams[lane]], room - len(out))
+                first = self.handoff_streams[shard:shard + 1] if lane == 0 else []
+                out += self._read_streams(first + [self.shard_streams[shard][lane]], room - len(out))
         return out
 
     def _read_streams(self, streams: list[str], room: int) -> list[Delivery]:

@@ -76,6 +76,9 @@ class WorkerSettings(FerrySettings):
     # on unless FERRY_ENABLE_LORA says otherwise (the engine's enable_lora, max_loras, max_lora_rank and
     # max_cpu_loras are FERRY_ENABLE_LORA, FERRY_MAX_LORAS, FERRY_MAX_LORA_RANK, FERRY_MAX_CPU_LORAS).
     lora_modules: Annotated[list[LoraModule], NoDecode] = Field(default_factory=list)
+    # A job whose adapter this worker does not hold goes to a live peer that holds it and has room
+    # (worker.serve.lora_affinity); false: every worker serves what it reads.
+    lora_affinity: bool = True
 
     worker_id: str | None = None  # default: hostname-pid
     # The node's model cache (FERRY_MODEL_CACHE, the engine's model_cache_dir) is capped at this
@@ -114,6 +117,11 @@ class WorkerSettings(FerrySettings):
     # the last window. 0: off (the batch runs flat out, live jobs still preempt it).
     background_pause_ratio: float = Field(3.0, ge=0)
     background_pause_window_s: float = Field(2.0, gt=0)
+
+    @property
+    def lora_handoffs(self) -> bool:
+        """Jobs move between this worker and its peers by adapter (LoRA on, and the affinity)."""
+        return self.engine.enable_lora and self.lora_affinity
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

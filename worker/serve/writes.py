@@ -31,6 +31,7 @@ class Delivery:
     entry_id: str
     fields: dict[str, str]  # the raw envelope
     reclaimed: bool = False  # taken over from another worker by the reaper
+    handed: bool = False  # moved here by the worker that read it (`worker.serve.lora_affinity`): never moved on
 
 
 @dataclass(slots=True)
