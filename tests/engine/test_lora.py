@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ferry.worker.engine import LLM, FinishReason, LoraAdapterError, LoRARequest, SamplingParams, StructuredOutputs
-from tests.engine.test_hf_parity import PARTIAL_ROTARY
+from tests.engine.test_hf_parity import LONGROPE_LENGTHS, PARTIAL_ROTARY
 from tests.engine.test_structured import REGEX
 from tests.lora_adapters import ATTENTION, MLP, reference_greedy, write_adapter
 
@@ -171,6 +171,26 @@ def test_phi3_fused_projections_and_partial_rotary_take_adapters(tiny_model_fact
     llm = LLM(str(base), enable_lora=True, max_lora_rank=8)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest("phi", 1, str(adapter)))
     assert [o.token_ids for o in outputs] == reference_greedy(base, adapter, prompts, NEW_TOKENS)
+
+
+def test_longrope_sequences_keep_their_adapter_across_the_switch(tiny_model_factory, tmp_path):
+    # LongRoPE (over 12 of 16 dims) recomputes a sequence with the long factors when it first grows
+    # past 24 tokens, in a cache namespace of its own: the adapter's rows must follow it there. Base
+    # rows in the same batch, the prefix cache on, and a second pass that hits what the first cached.
+    base = tiny_model_factory("phi3", num_heads=4, num_kv_heads=2, rope_parameters=PARTIAL_ROTARY["longrope"],
+                              **LONGROPE_LENGTHS)
+    adapter = write_adapter(base, tmp_path / "long", r=8, targets=("qkv_proj", "o_proj", "gate_up_proj"), seed=5)
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(3, 300, (20,), generator=g).tolist()
+    prompts = [shared[:6], shared + [7, 8, 9, 10, 11], shared[:12] + list(range(30, 50))]  # before, at, past 24
+    long = LoRARequest("long", 1, str(adapter))
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=8, max_num_batched_tokens=8, block_size=4,
+              enable_prefix_caching=True)
+    assert llm.engine.arch.rope.kind == "longrope"
+    expected = reference_greedy(base, adapter, prompts, NEW_TOKENS) + reference_greedy(base, None, prompts, NEW_TOKENS)
+    for _ in range(2):
+        outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[long] * 3 + [None] * 3)
+        assert [o.token_ids for o in outputs] == expected
 
 
 def test_mixtral_attention_adapter_matches_and_expert_targets_are_refused(tiny_model_factory, tmp_path):
