@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file, save_file
 
+from ferry.kernels.ops import QuantizedWeight
 from ferry.worker.engine import LLM, FinishReason, LoraAdapterError, LoRARequest, SamplingParams, StructuredOutputs
+from ferry.worker.models.lora_layers import LoraLinear
 from tests.engine.test_hf_parity import LONGROPE_LENGTHS, PARTIAL_ROTARY
 from tests.engine.test_structured import REGEX
 from tests.lora_adapters import ATTENTION, MLP, reference_greedy, write_adapter
@@ -191,6 +195,31 @@ def test_longrope_sequences_keep_their_adapter_across_the_switch(tiny_model_fact
     for _ in range(2):
         outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[long] * 3 + [None] * 3)
         assert [o.token_ids for o in outputs] == expected
+
+
+def test_an_int8_base_takes_adapters_beside_its_quantized_product(tiny_model_factory, tmp_path):
+    # "int8" keeps every matrix in Q8_0 blocks and computes in float; the adapter's update is added
+    # beside that product. The base's weights are made Q8_0-exact first (quantized and back), so
+    # int8 stores them as they are and transformers + peft on the same file is the reference.
+    base = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
+    adapter = write_adapter(base, tmp_path / "q8", r=8, targets=ATTENTION + MLP, seed=6)
+    stored = tmp_path / "as-stored"
+    shutil.copytree(base, stored)
+    weights = load_file(stored / "model.safetensors")
+    for name, w in weights.items():
+        if w.dim() == 2 and w.shape[1] % 32 == 0:
+            blocks = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+            weights[name] = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0)).reshape(w.shape)
+    save_file(weights, stored / "model.safetensors", metadata={"format": "pt"})
+    prompts = _prompts(2)
+    llm = LLM(str(stored), enable_lora=True, max_lora_rank=8, quantization="int8")
+    adapted = [m for m in llm.engine.runner.model.modules() if isinstance(m, LoraLinear)]
+    assert adapted and all(isinstance(m.weight, QuantizedWeight) for m in adapted)
+    lora = LoRARequest("q8", 1, str(adapter))
+    outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[lora, lora, None, None])
+    expected = reference_greedy(stored, adapter, prompts, NEW_TOKENS) + reference_greedy(stored, None, prompts,
+                                                                                         NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == expected
 
 
 def test_mixtral_attention_adapter_matches_and_expert_targets_are_refused(tiny_model_factory, tmp_path):
