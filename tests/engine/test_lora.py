@@ -177,6 +177,20 @@ def test_phi3_fused_projections_and_partial_rotary_take_adapters(tiny_model_fact
     assert [o.token_ids for o in outputs] == reference_greedy(base, adapter, prompts, NEW_TOKENS)
 
 
+def test_rank_64_adapters_batch_with_smaller_ones(tiny_model_factory, tmp_path):
+    # max_lora_rank=64: a rank-64 adapter fills its slots, a rank-8 one is zero-padded beside it
+    base = tiny_model_factory("llama", num_heads=4, num_kv_heads=2)
+    big = write_adapter(base, tmp_path / "r64", r=64, alpha=32, targets=("q_proj", "v_proj", "up_proj", "down_proj"),
+                        seed=7)
+    small = write_adapter(base, tmp_path / "r8", r=8, targets=("k_proj", "o_proj"), seed=8)
+    prompts = _prompts(2)
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=64, max_loras=2)
+    loras = [LoRARequest("r64", 1, str(big)), LoRARequest("r8", 2, str(small))]
+    outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[loras[0]] * 2 + [loras[1]] * 2)
+    expected = reference_greedy(base, big, prompts, NEW_TOKENS) + reference_greedy(base, small, prompts, NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == expected
+
+
 def test_longrope_sequences_keep_their_adapter_across_the_switch(tiny_model_factory, tmp_path):
     # LongRoPE (over 12 of 16 dims) recomputes a sequence with the long factors when it first grows
     # past 24 tokens, in a cache namespace of its own: the adapter's rows must follow it there. Base

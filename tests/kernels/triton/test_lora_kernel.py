@@ -30,6 +30,7 @@ MIXED = [2, -1, 0, 2, 1, -1, 3, 0, 2]
 CASES = {
     "mixed-r8": (MIXED, 96, 80, 8, 4, torch.float32),
     "qkv-r48": (MIXED, 64, 200, 48, 4, torch.float32),  # fused q|k|v of rank 16: out not a block multiple
+    "r64": (MIXED, 128, 96, 64, 4, torch.float32),  # the highest rank the issue asks for
     "one-slot": ([1] * 5, 72, 40, 8, 2, torch.float32),
     "decode-one-row": ([3], 48, 24, 8, 4, torch.float32),
     "split-input": ([0, -1, 1], 2100, 36, 8, 2, torch.float32),  # 4 splits of 768, the last one empty
