@@ -157,3 +157,32 @@ def test_a_terminal_write_short_of_replicas_is_logged_without_holding_the_publis
     while "not replicated in time" not in caplog.text and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "terminal write not replicated in time" in caplog.text
+
+
+def test_lora_hand_offs_move_jobs_of_every_shard_in_its_slot(cclient, ckeys):
+    """A job moved to the worker holding its adapter (`worker.serve.lora_affinity`): the move and
+    the take each touch one slot, the job's shard's, whichever shard that is."""
+    import json
+
+    from ferry.worker.serve.lora_affinity import LoraAffinity
+    from ferry.worker.serve.queue_reader import QueueReader
+
+    cclient.hset(ckeys.worker("w-a"), mapping={"model": "tiny", "state": "ready", "loras": json.dumps(["sql"]),
+                                               "jobs": "0", "max_num_seqs": "256", "ts": repr(time.time())})
+    cclient.zadd(ckeys.workers, {"w-a": time.time()})
+    holder, reader = (QueueReader(cclient, ckeys, "tiny", w, lease_s=30.0, handoffs=True) for w in ("w-a", "w-b"))
+    holder.ensure_groups()
+    reader.ensure_groups()
+    jobs = {}
+    while len({ckeys.shard_of(j) for j in jobs}) < ckeys.shards:  # a job in every shard
+        job_id = enqueue_job(cclient, ckeys, greedy(prompt="hi", lora="sql")).job_id
+        jobs[job_id] = None
+    read = reader.read(room=len(jobs), block_ms=0)
+    assert sorted(d.fields["job_id"] for d in read) == sorted(jobs)
+    affinity = LoraAffinity(cclient, ckeys, "tiny", "w-b", list, refresh_s=0.0, max_age_s=5.0)
+    chosen = affinity.choose([(d, d.fields["job_id"], "sql") for d in read])
+    assert chosen == dict.fromkeys(jobs, "w-a")
+    assert affinity.move([(d, d.fields["job_id"], "w-a") for d in read]) == set(jobs)
+    taken = holder.handoffs()
+    assert sorted(d.fields["job_id"] for d in taken) == sorted(jobs) and all(d.handed for d in taken)
+    assert {(d.stream, d.entry_id) for d in taken} == {(d.stream, d.entry_id) for d in read}

@@ -145,6 +145,24 @@ def test_the_peer_drops_a_moved_entry_a_reaper_took_and_a_draining_peer_hands_ba
     assert a.handoffs() == []
 
 
+@pytest.mark.parametrize("redis_keys", [2], indirect=True)
+def test_hand_offs_of_two_shards_with_the_same_entry_id_are_both_taken(redis_keys):
+    # hand-off streams are per shard, and each gives its entries ids of its own: equal ids are two moves
+    client, keys = redis_keys
+    a = reader(client, keys, "A")
+    moved = []
+    for shard in (0, 1):
+        stream = keys.queue(MODEL, "normal", shard)
+        entry_id = client.xadd(stream, {"job_id": f"job-s{shard}", "attempt": "1"})
+        client.xreadgroup(keys.group, "A", {stream: ">"})
+        client.xadd(keys.handoff(MODEL, shard, "A"), {"job_id": f"job-s{shard}", "stream": stream,
+                                                      "entry_id": entry_id}, id="5-0")
+        moved.append((stream, entry_id))
+    taken = a.handoffs()
+    assert sorted((d.stream, d.entry_id) for d in taken) == sorted(moved)
+    assert sorted(d.fields["job_id"] for d in taken) == ["job-s0", "job-s1"]  # each its own envelope
+
+
 def test_a_move_of_an_entry_no_longer_ours_moves_nothing(redis_keys):
     client, keys = redis_keys
     b = reader(client, keys, "B")

@@ -143,12 +143,14 @@ class QueueReader:
                         [self.keys.group, d.entry_id, d.fields.get("entry_id", ""), self.worker_id])
             return pipe
 
-        taken = dict(zip((d.entry_id for d in handoffs), lua.execute(build, [self._take_handoff]), strict=True))
+        # by stream and id: two shards' hand-off streams may give entries the same id
+        taken = dict(zip(((d.stream, d.entry_id) for d in handoffs), lua.execute(build, [self._take_handoff]),
+                         strict=True))
         out = []
         for d in deliveries:
             if d.stream not in self.handoff_streams:
                 out.append(d)
-            elif isinstance(fields := taken[d.entry_id], list) and fields:
+            elif isinstance(fields := taken[d.stream, d.entry_id], list) and fields:
                 out.append(Delivery(d.fields["stream"], d.fields["entry_id"], pairs_to_dict(fields), handed=True))
             else:  # nil: a reaper took the entry meanwhile; an error: it stays pending for the reaper
                 log.info("hand-off dropped: its queue entry is no longer ours",
