@@ -59,7 +59,9 @@ class EngineLoop(Inbox):
         self.pacer = Pacer(pacing or BackgroundPacing())
         self.runs: dict[str, JobRun] = {}
         self.stats: EngineStats | None = None  # latest, replaced whole (read by other threads)
-        self.loras: list[str] = []  # LoRA adapters the engine holds, as of `stats` (the heartbeat's)
+        # LoRA adapters the engine holds, as of `stats` (the heartbeat's; the operator's, loaded before
+        # the loop starts, from the first beat on: peers hand their jobs here at once)
+        self.loras: list[str] = engine.loras_held()
         self.stop = threading.Event()
         self.fatal: RankFailedError | None = None  # set once the engine can no longer step (the worker exits)
         self._stats_at = 0.0
