@@ -62,6 +62,7 @@ SUITES = {
         Suite("tensor_parallel", "bench.tensor_parallel", ("--quick",), takes_model=False),
         Suite("model_families", "bench.model_families", ("--quick",), takes_model=False),
         Suite("lora", "bench.lora", ("--quick",), takes_model=False),
+        Suite("lora_fleet", "bench.lora_fleet", ("--quick",), needs="redis", takes_model=False),
     )
 }
 

@@ -287,6 +287,31 @@ def plot_lora(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "lora.png")]
 
 
+def plot_lora_fleet(data: dict, out_dir: Path) -> list[Path]:
+    """Two workers, adapters split between them: time to first token (left) and adapter reads
+    after start (right), jobs sent to the adapter's holder against every worker serving what it reads."""
+    modes = (data.get("results") or {}).get("modes") or {}
+    if not modes:
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(modes)
+    points = ("p50", "p90", "max")
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ttft = modes[name]["ttft_s"]
+        left.bar([j + i * width for j in range(len(points))], [ttft[p] * 1e3 for p in points], width, label=name)
+    left.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(points))], list(points))
+    left.set_ylabel("time to first token, ms")
+    left.legend()
+    left.set_title("jobs' first token")
+    right.bar(names, [modes[n]["adapter_reads_after_ready"] for n in names], color=[f"C{i}" for i in range(len(names))])
+    right.set_ylabel("adapter reads after start")
+    right.set_title(f"{data.get('settings', {}).get('jobs')} jobs over {data.get('settings', {}).get('adapters')} "
+                    "adapters")
+    fig.suptitle(f"LoRA affinity, 2 workers, {_get_model(data)}")
+    return [_save(fig, out_dir / "lora_fleet.png")]
+
+
 def plot_quantized(data: dict, out_dir: Path, suite: str = "quantized") -> list[Path]:
     """Output tokens/s per system and batch (left) and resident weight MB per system (right); one
     figure per file type and kernel (`suite`: quantized, quantized_q4_k_m, quantized_q4_k_m_avx2, ...)."""
@@ -388,6 +413,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
         "batch": plot_batch, "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
         "redis_capacity": plot_redis_capacity, "structured": plot_structured, "lora": plot_lora,
+        "lora_fleet": plot_lora_fleet,
     }
     paths = []
     for suite, data in results.items():

@@ -26,7 +26,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
                     "quantized_q6_k")
 SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start",
-               *QUANTIZED_SUITES, "redis_capacity", "model_families", "lora")
+               *QUANTIZED_SUITES, "redis_capacity", "model_families", "lora", "lora_fleet")
 
 
 @dataclass
@@ -304,10 +304,23 @@ def lora_rows(data: dict) -> list[Row]:
     return [r for r in rows if r.ferry is not None and r.baseline is not None]
 
 
+def lora_fleet_rows(data: dict) -> list[Row]:
+    """Two workers with adapters split between them: jobs going to the adapter's holder against
+    every worker serving what it reads."""
+    modes = _get(data, "results", "modes") or {}
+    on, off = modes.get("affinity") or {}, modes.get("no-affinity") or {}
+    rows = [Row("lora_fleet", f"time to first token {p}, s (2 workers, adapters split)", _get(on, "ttft_s", p),
+                _get(off, "ttft_s", p), "no affinity (FERRY_LORA_AFFINITY=false)", False) for p in ("p50", "p90")]
+    rows.append(Row("lora_fleet", "adapter reads after start (2 workers, adapters split)",
+                    on.get("adapter_reads_after_ready"), off.get("adapter_reads_after_ready"),
+                    "no affinity (FERRY_LORA_AFFINITY=false)", False))
+    return [r for r in rows if r.ferry is not None and r.baseline is not None]
+
+
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
     "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "model_families": model_families_rows,
-    "lora": lora_rows,
+    "lora": lora_rows, "lora_fleet": lora_fleet_rows,
     **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
 
