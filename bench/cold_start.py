@@ -12,8 +12,9 @@ converted to safetensors, float32, 538 MB) from:
 each without and with a prefix snapshot. Without: the snapshot URL names an empty folder (nothing
 restored), and the drain saves the job's prefix there; with: the next start restores it, and the
 queued job (the same long prompt) hits the restored blocks. The worker logs its phases (download,
-load, warmup), and the raw ranged-GET throughput of the S3 server is measured alone, so the S3
-load throughput (bytes / download phase) can be set against it.
+load, warmup; download and load overlap, see docs/models.md), and the raw ranged-GET throughput
+of the S3 server is measured alone, so the S3 load throughput (bytes / download phase) can be set
+against it.
 
     python -m bench.cold_start                  # every source, with and without a snapshot
     python -m bench.cold_start --sources local s3 --runs 2

@@ -38,7 +38,7 @@ from ferry.worker.models.sharding import (
     local_arch,
     mlp_intermediate_size,
 )
-from ferry.worker.models.sources import fetch_model, parse_ref
+from ferry.worker.models.sources import fetch_model, incoming_files, parse_ref, wait_for_file
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +145,17 @@ def parse_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None = Non
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: sharded (via the index) or single."""
+    """The safetensors files of a checkpoint: sharded (via the index) or single. In a node cache
+    entry still downloading, those it will hold too (open each after `wait_for_file`)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [model_dir / name for name in sorted(set(weight_map.values()))]
+    incoming = {model_dir / name for name in incoming_files(model_dir) if name.endswith(".safetensors")}
     single = model_dir / "model.safetensors"
-    if single.is_file():
+    if single.is_file() or single in incoming:
         return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted({*model_dir.glob("*.safetensors"), *incoming})
     if files:
         return files
     raise ModelNotFoundError(f"no safetensors weights in {model_dir} (Ferry loads only safetensors)")
@@ -266,6 +268,8 @@ def load_model(
         if shard.size > 1 or quantization.method != "none":
             raise UnsupportedModelError(f"{arch.architecture} runs on the transformers fallback, which serves "
                                         "float weights at tensor_parallel_size=1 only")
+        for path in weight_files(model_dir):
+            wait_for_file(path)
         return load_fallback_model(model_dir, arch, dtype, device)
     with torch.device("meta"):
         model = LlamaModel(arch, max_positions, shard)
@@ -342,6 +346,7 @@ def checkpoint_tensors(
     files = weight_files(model_dir)
     with tqdm(total=len(files), desc="loading weights", unit="file", disable=len(files) < 2) as bar:
         for path in files:
+            wait_for_file(path)  # a download in progress brings it (worker/models/sources/node_cache.py)
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     mapped = map_name(name)

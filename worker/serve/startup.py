@@ -1,6 +1,14 @@
 """Loading what a worker serves: the engine (and its tensor-parallel ranks), its operator LoRA
 adapters (`worker.serve.loras`), the prefix-cache snapshot restored into it, the engine loop around
-it, and the intake's own prompt renderer."""
+it, and the intake's own prompt renderer.
+
+An hf:// or s3:// model downloads into the node's cache on a thread of its own while the engine is
+built: the engine starts once the configs and tokenizer are in, and its loader waits for each
+weight file as it arrives (worker/models/sources/background.py). The load phases
+(`ferry_model_load_seconds`) then overlap: `download` is from the start of loading until the whole
+model is in the cache; `load` is the engine's construction, from the configs being there (its wait
+for weight files included) to the engine built; `warmup` is what follows (snapshot, adapters, renderer).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +18,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ferry.worker.engine import Engine
-from ferry.worker.models.loader import local_model
+from ferry.worker.models.sources import parse_ref
+from ferry.worker.models.sources.background import BackgroundFetch
 from ferry.worker.serve import loras
 from ferry.worker.serve.engine_loop import EngineLoop
 from ferry.worker.serve.metrics import WorkerMetrics
@@ -48,14 +58,20 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     started = time.monotonic()
-    # Download first (an hf:// or s3:// model), so the engine loads from the node's cache and each
-    # phase has its own time.
-    max_bytes = None if settings.model_cache_max_gb is None else int(settings.model_cache_max_gb * 1e9)
-    model = local_model(settings.engine.model, settings.engine.model_cache_dir, max_bytes)
-    downloaded = time.monotonic()
-    engine = Engine.from_config(dataclasses.replace(settings.engine, model=str(model)))
+    fetch = _start_fetch(settings)
+    model = settings.engine.model if fetch is None else fetch.entry()
+    engine_started = time.monotonic()
+    try:
+        engine = Engine.from_config(dataclasses.replace(settings.engine, model=str(model)))
+    except BaseException:
+        error = None if fetch is None else fetch.cancel()
+        if error is not None:
+            raise error from None  # why a weight file never arrived: the source's own error
+        raise
     engine_built = time.monotonic()
     try:
+        if fetch is not None:
+            fetch.result()  # the rest (source.json: the fingerprint's Hub commit) before anything reads it
         snapshots, idle_task = None, None
         if settings.snapshot_url:
             snapshots = SnapshotKeeper(engine, settings.snapshot_url, settings.snapshot_interval_s,
@@ -81,7 +97,7 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
     # (bench.api: worker TTFT p50 +100 ms when it fell in a burst's first step).
     gc.collect()
     gc.freeze()
-    phases = {"download": downloaded - started, "load": engine_built - downloaded,
+    phases = {"download": 0.0 if fetch is None else fetch.finished - started, "load": engine_built - engine_started,
               "warmup": time.monotonic() - engine_built}
     for phase, seconds in phases.items():
         metrics.model_load.labels(phase).set(seconds)
@@ -89,3 +105,12 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
                                      "seconds": round(time.monotonic() - started, 2),
                                      **{f"{phase}_s": round(seconds, 2) for phase, seconds in phases.items()}})
     return served
+
+
+def _start_fetch(settings: WorkerSettings) -> BackgroundFetch | None:
+    """The download of an hf:// or s3:// model, started now; None for a model on this machine."""
+    ref = parse_ref(str(settings.engine.model))
+    if ref is None:
+        return None
+    max_bytes = None if settings.model_cache_max_gb is None else int(settings.model_cache_max_gb * 1e9)
+    return BackgroundFetch(ref, Path(settings.engine.model_cache_dir).expanduser(), max_bytes)

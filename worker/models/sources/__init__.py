@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ferry.worker.models.errors import SourceUnreachableError
 from ferry.worker.models.sources import hub, s3
-from ferry.worker.models.sources.node_cache import CacheEntry, NodeCache
+from ferry.worker.models.sources.node_cache import CacheEntry, NodeCache, incoming_files, wait_for_file
 from ferry.worker.models.sources.refs import BadReferenceError, ModelRef, parse_ref
 
 log = logging.getLogger("ferry.worker.models")
 
-SOURCES = {"hf": hub, "s3": s3}  # scheme -> module with list_files(ref) and download(listing, dir, progress)
+SOURCES = {"hf": hub, "s3": s3}  # scheme -> module with list_files(ref) and download (node_cache.Download)
 
 
-def fetch_model(ref: ModelRef, cache_dir: Path, max_bytes: int | None = None, bar: bool = False) -> Path:
+def fetch_model(ref: ModelRef, cache_dir: Path, max_bytes: int | None = None, bar: bool = False,
+                on_entry: Callable[[Path], None] | None = None, cancelled: threading.Event | None = None) -> Path:
     """The local copy of `ref`: its checkpoint directory, or the .gguf file for a GGUF reference.
     Downloads it unless the node's cache has it (`max_bytes`: the cache's cap, LRU eviction).
     ModelSourceError names the reference and the cause. When the source is unreachable, a copy of
-    the same reference (and revision) already cached is served, with a warning."""
+    the same reference (and revision) already cached is served, with a warning. A checkpoint's
+    download calls `on_entry` with its directory once all but its weight files are there (the
+    weights follow: node_cache.wait_for_file); setting `cancelled` stops the download."""
     source = SOURCES[ref.scheme]
     cache = NodeCache(cache_dir, max_bytes)
     if ref.revision is not None and re.fullmatch(r"[0-9a-f]{40}", ref.revision):
@@ -43,7 +48,7 @@ def fetch_model(ref: ModelRef, cache_dir: Path, max_bytes: int | None = None, ba
                     extra={"model": ref.text, "revision": cached[0].source["version"]})
         cache.touch(cached[0])
         return _served_path(ref, cached[0].path)
-    entry = cache.fetch(listing, source.download, bar)
+    entry = cache.fetch(listing, source.download, bar, None if ref.gguf else on_entry, cancelled)
     return _served_path(ref, entry)
 
 
@@ -57,4 +62,5 @@ def _served_path(ref: ModelRef, entry: Path) -> Path:
     return entry / ref.path.rsplit("/", 1)[-1] if ref.gguf else entry
 
 
-__all__ = ["BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cached_entries", "fetch_model", "parse_ref"]
+__all__ = ["BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cached_entries", "fetch_model",
+           "incoming_files", "parse_ref", "wait_for_file"]

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ferry.worker.models.errors import ModelSourceError, SourceUnreachableError
 from ferry.worker.models.sources.listing import Listing, RemoteFile, serving_files
+from ferry.worker.models.sources.node_cache import Arrived
 from ferry.worker.models.sources.progress import TransferProgress
 from ferry.worker.models.sources.refs import ModelRef
 
@@ -57,8 +58,8 @@ def list_files(ref: ModelRef) -> Listing:
     return Listing(ref, info.sha, tuple(files))
 
 
-def download(listing: Listing, directory: Path, progress: TransferProgress) -> None:
-    """The listing's files at its commit, into `directory`."""
+def download(listing: Listing, directory: Path, progress: TransferProgress, arrived: Arrived) -> None:
+    """The listing's files at its commit, into `directory`, in the listing's order; `arrived(file)` as each is in."""
     from huggingface_hub import hf_hub_download
 
     ref = listing.ref
@@ -76,6 +77,7 @@ def download(listing: Listing, directory: Path, progress: TransferProgress) -> N
                     endpoint=_endpoint(), token=_token(), tqdm_class=Counting)
         if Path(got).resolve() != (directory / file.name).resolve():
             os.replace(got, directory / file.name)  # a GGUF from a subfolder of the repo
+        arrived(file)
 
     with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="hub-get") as pool:
         for _ in pool.map(get, listing.files):

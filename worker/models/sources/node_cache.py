@@ -3,17 +3,21 @@
 Layout under the cache directory (`FERRY_MODEL_CACHE`, default `.ferry/models/`, shared with the
 GGUF conversions, see gguf_cache.py):
 
-    downloads/<key>/                 a complete copy: the serving files + source.json
-    downloads/.tmp-<key>-<pid>-<id>/ a download in progress (never read)
+    downloads/<key>/                 an entry: complete once it holds source.json (written last)
+    downloads/<key>/.incoming        while downloading: the names of every file the entry will hold
+    downloads/.tmp-<key>-<pid>-<id>/ the files still being written (never read)
     downloads/.locks/<key>.lock      flock'ed by the one process downloading <key>
 
 One download per node: a process takes the key's lock (fcntl.flock) before it looks; the others
-block on it and then find the entry complete. Atomic: files land in a temporary directory, are
-checked against the source (every size; the sha256 where the source gives one), and only then
-is the directory renamed to its key, so a crash leaves no directory that looks complete; the
-next holder of the lock removes the leftovers. Size cap: after a download, least recently used
-entries (source.json's mtime, touched on every use) are removed until the cache fits, never the
-entry just fetched; an entry is renamed away before it is deleted.
+block on it and then find the entry complete. Atomic: each file is written in the temporary
+directory, checked against the source (its size; the sha256 where the source gives one) and only
+then renamed into the entry, and source.json is renamed in last, so a crash leaves no entry that
+looks complete; the next holder of the lock removes the leftovers (the temporary directory, an
+entry without source.json). Small files first: the configs and tokenizer arrive before the
+weights, and `on_entry` is told then, so a worker builds its engine while the weights arrive and
+`wait_for_file` holds its loader back until each weight file is there. Size cap: after a
+download, least recently used entries (source.json's mtime, touched on every use) are removed
+until the cache fits, never the entry just fetched; an entry is renamed away before it is deleted.
 """
 
 from __future__ import annotations
@@ -26,23 +30,30 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ferry.worker.models.errors import ModelSourceError
-from ferry.worker.models.sources.listing import Listing
+from ferry.worker.models.sources.listing import Listing, RemoteFile
 from ferry.worker.models.sources.progress import TransferProgress
 
 log = logging.getLogger("ferry.worker.models")
 
 DOWNLOADS = "downloads"
 SOURCE_FILE = "source.json"  # in each entry: the reference, its version and files, when and how fast it came
+INCOMING = ".incoming"  # in an entry being downloaded: JSON list of the names of all its files
+WEIGHTS_SUFFIXES = (".safetensors", ".gguf")  # what arrives after the small files
 _FREE_MARGIN = 64 << 20  # bytes left free on the disk beyond the download
+_POLL_S = 0.05  # how often wait_for_file looks
 
-Download = Callable[[Listing, Path, TransferProgress], None]  # writes the listing's files under the directory
+# Writes the listing's files under the directory, in the listing's order, and calls `arrived`
+# (from any thread) with each file once all its bytes are written.
+Arrived = Callable[[RemoteFile], None]
+Download = Callable[[Listing, Path, TransferProgress, Arrived], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +75,17 @@ class NodeCache:
         self.root = Path(cache_dir).expanduser() / DOWNLOADS
         self.max_bytes = max_bytes  # None: no cap
 
-    def fetch(self, listing: Listing, download: Download, bar: bool = False) -> Path:
-        """The entry of `listing`, downloading it first unless the node already has it."""
+    def fetch(self, listing: Listing, download: Download, bar: bool = False,
+              on_entry: Callable[[Path], None] | None = None, cancelled: threading.Event | None = None) -> Path:
+        """The entry of `listing`, downloading it first unless the node already has it. A download
+        calls `on_entry` with the entry's directory once every file but the weights is in it (not
+        at all for a listing of weights alone); setting `cancelled` stops it (ModelSourceError)."""
         target = self.root / listing.key
         with self._locked(listing.key):
             if (target / SOURCE_FILE).is_file():
                 os.utime(target / SOURCE_FILE)
                 return target
-            self._download(listing, download, target, bar)
+            self._download(listing, download, target, bar, on_entry, cancelled)
         self.evict(keep=target)
         return target
 
@@ -126,48 +140,109 @@ class NodeCache:
         finally:
             os.close(fd)  # releases the lock
 
-    def _download(self, listing: Listing, download: Download, target: Path, bar: bool) -> None:
+    def _download(self, listing: Listing, download: Download, target: Path, bar: bool,
+                  on_entry: Callable[[Path], None] | None, cancelled: threading.Event | None) -> None:
         ref = listing.ref.text
-        for stale in self.root.glob(f".tmp-{listing.key}-*"):  # a crashed download's (we hold the lock)
+        # A crashed download's leftovers (we hold the lock): its temporary directory, its entry without source.json.
+        for stale in [*self.root.glob(f".tmp-{listing.key}-*"), target]:
             shutil.rmtree(stale, ignore_errors=True)
         free = shutil.disk_usage(self.root).free
         if free < listing.total_bytes + _FREE_MARGIN:
             raise ModelSourceError(f"{ref}: not enough disk space in {self.root}: the model needs "
                                    f"{listing.total_bytes / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
         building = self.root / f".tmp-{listing.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        progress = TransferProgress(ref, listing.total_bytes, bar)
+        progress = TransferProgress(ref, listing.total_bytes, bar, cancelled)
+        ordered = sorted(listing.files, key=lambda f: f.name.endswith(WEIGHTS_SUFFIXES))  # small files first
+        small = {f.name for f in ordered if not f.name.endswith(WEIGHTS_SUFFIXES)}
+        lock = threading.Lock()
+
+        def arrived(file: RemoteFile) -> None:
+            _verify(listing, file, building / file.name)
+            os.replace(building / file.name, target / file.name)
+            with lock:
+                announce = file.name in small and len(small) == 1
+                small.discard(file.name)
+            if announce and on_entry is not None:
+                on_entry(target)
+
         try:
             building.mkdir()
-            download(listing, building, progress)
+            target.mkdir()
+            (target / INCOMING).write_text(json.dumps([f.name for f in ordered]))
+            download(replace(listing, files=tuple(ordered)), building, progress, arrived)
             rate = progress.close()
-            _verify(listing, building)
+            for file in listing.files:
+                if not (target / file.name).is_file():  # not reported by the download: checked here
+                    arrived(file)
             source = {"ref": ref, "source": listing.ref.source, "scheme": listing.ref.scheme,
                       "revision": listing.ref.revision, "version": listing.version,
                       "files": [{"name": f.name, "size": f.size} for f in listing.files],
                       "downloaded_at": time.time(), "seconds": round(time.monotonic() - progress.started, 3),
                       "bytes_per_s": round(rate)}
             (building / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-            building.rename(target)
-        except OSError as exc:
+            (target / INCOMING).unlink()
+            os.replace(building / SOURCE_FILE, target / SOURCE_FILE)  # the entry is complete from here on
             shutil.rmtree(building, ignore_errors=True)
+        except OSError as exc:
+            _remove(building, target)
             cause = "the disk is full" if exc.errno == errno.ENOSPC else f"cannot write the model cache: {exc}"
             raise ModelSourceError(f"{ref}: {cause}") from None
         except BaseException:
-            shutil.rmtree(building, ignore_errors=True)
+            _remove(building, target)
             raise
 
 
-def _verify(listing: Listing, directory: Path) -> None:
-    """Every file present with the source's size, and its sha256 where the source gave one."""
-    for file in listing.files:
-        path = directory / file.name
-        size = path.stat().st_size if path.is_file() else None
-        if size != file.size:
-            got = "missing" if size is None else f"{size} bytes"
-            raise ModelSourceError(f"{listing.ref.text}: {file.name} is truncated or changed: the source has "
-                                   f"{file.size} bytes, the download {got}")
-        if file.sha256 is not None and _sha256(path) != file.sha256:
-            raise ModelSourceError(f"{listing.ref.text}: {file.name} does not match the source's sha256")
+def wait_for_file(path: Path) -> None:
+    """Return once `path` exists, at once for any file but one of a node cache entry not yet
+    complete (no source.json): that one is waited for while the entry's download holds its lock.
+    ModelSourceError when the download ends without it (failed, cancelled, its process gone)."""
+    entry = path.parent
+    lock = entry.parent / ".locks" / f"{entry.name}.lock"
+    if entry.parent.name != DOWNLOADS or not lock.is_file():
+        return  # not in a node cache: the caller's open says what is missing
+    while not path.exists() and not (entry / SOURCE_FILE).exists():
+        if not _locked_by_another(lock) and not path.exists():
+            raise ModelSourceError(f"the download of {entry.name} ended before {path.name} arrived")
+        time.sleep(_POLL_S)
+
+
+def incoming_files(directory: Path) -> list[str]:
+    """The names of every file a download in progress into `directory` brings; [] for anything else."""
+    try:
+        return json.loads((directory / INCOMING).read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _locked_by_another(lock: Path) -> bool:
+    """Whether a download holds `lock` (flock: another process, or another open file in this one)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's own lock
+    return False
+
+
+def _remove(*directories: Path) -> None:
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _verify(listing: Listing, file: RemoteFile, path: Path) -> None:
+    """`file` downloaded whole at `path`: the source's size, and its sha256 where the source gave one."""
+    size = path.stat().st_size if path.is_file() else None
+    if size != file.size:
+        got = "missing" if size is None else f"{size} bytes"
+        raise ModelSourceError(f"{listing.ref.text}: {file.name} is truncated or changed: the source has "
+                               f"{file.size} bytes, the download {got}")
+    if file.sha256 is not None and _sha256(path) != file.sha256:
+        raise ModelSourceError(f"{listing.ref.text}: {file.name} does not match the source's sha256")
 
 
 def _sha256(path: Path) -> str:

@@ -9,16 +9,24 @@ import time
 
 from tqdm import tqdm
 
+from ferry.worker.models.errors import ModelSourceError
+
 log = logging.getLogger("ferry.worker.models")
 
 _LOG_EVERY_S = 5.0
 
 
+class DownloadCancelled(ModelSourceError):
+    """The download was stopped by its caller (TransferProgress.cancelled), not by the source."""
+
+
 class TransferProgress:
     """Thread-safe byte counter over one download (`advance` from any downloading thread)."""
 
-    def __init__(self, what: str, total_bytes: int, bar: bool = False) -> None:
+    def __init__(self, what: str, total_bytes: int, bar: bool = False,
+                 cancelled: threading.Event | None = None) -> None:
         self.what = what
+        self.cancelled = cancelled  # once set, the next `advance` raises: the download stops
         self.total = total_bytes
         self.done = 0
         self.started = time.monotonic()
@@ -28,6 +36,8 @@ class TransferProgress:
                          disable=not bar, leave=False)
 
     def advance(self, n: int) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise DownloadCancelled(f"{self.what}: the download was cancelled")
         with self._lock:
             self.done += n
             self._bar.update(n)

@@ -2,7 +2,8 @@
 
 The listing names the serving files under the prefix with their sizes and ETags; the download
 splits every file into ranges of `RANGE_BYTES` and fetches them with `PARALLEL_GETS` concurrent
-ranged GETs, each written in place (pwrite) into the cache's temporary directory. Every GET sends
+ranged GETs, in the listing's order (the node cache puts the small files first), each written in
+place (pwrite) into the cache's temporary directory; a file is reported once its last range is in. Every GET sends
 `If-Match: <etag>`, so an object replaced mid-download fails the download instead of mixing two
 versions, and each range must come back whole. The raw GET throughput is logged and kept in the
 entry's source.json.
@@ -13,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ferry.worker.common.objectstore import s3_client
 from ferry.worker.models.errors import ModelSourceError, SourceUnreachableError
 from ferry.worker.models.sources.listing import Listing, RemoteFile, serving_files
+from ferry.worker.models.sources.node_cache import Arrived
 from ferry.worker.models.sources.progress import TransferProgress
 from ferry.worker.models.sources.refs import ModelRef
 
@@ -50,24 +53,34 @@ def list_files(ref: ModelRef) -> Listing:
     return Listing(ref, version, tuple(files))
 
 
-def download(listing: Listing, directory: Path, progress: TransferProgress) -> None:
-    """Every file of `listing` into `directory`, by parallel ranged GETs."""
+def download(listing: Listing, directory: Path, progress: TransferProgress, arrived: Arrived) -> None:
+    """Every file of `listing` into `directory`, by parallel ranged GETs in the listing's order;
+    `arrived(file)` once a file's last range is written."""
     ref = listing.ref
     client = s3_client(max_connections=PARALLEL_GETS)
-    ranges = []
+    ranges, left, lock = [], {}, threading.Lock()  # left: file name -> its ranges not yet written
     for file in listing.files:
         path = directory / file.name
         with path.open("wb") as f:
             f.truncate(file.size)
-        ranges += [(file, path, start, min(start + RANGE_BYTES, file.size))
-                   for start in range(0, file.size, RANGE_BYTES)]
+        starts = range(0, file.size, RANGE_BYTES)
+        ranges += [(file, path, start, min(start + RANGE_BYTES, file.size)) for start in starts]
+        left[file.name] = len(starts)
+        if not starts:
+            arrived(file)  # empty: whole already
 
     def get(job) -> None:
         file, path, start, end = job
+        progress.advance(0)  # raises once the download is cancelled: no GET for the ranges left
         got = _call(ref, _get_range, client, ref.repo, file, path, start, end, progress)
         if got != end - start:
             raise ModelSourceError(f"{ref.text}: {file.key} is truncated: a ranged GET of bytes {start}-{end - 1} "
                                    f"returned {got} bytes")
+        with lock:
+            left[file.name] -= 1
+            whole = left[file.name] == 0
+        if whole:
+            arrived(file)
 
     with ThreadPoolExecutor(PARALLEL_GETS, thread_name_prefix="s3-get") as pool:
         for _ in pool.map(get, ranges):

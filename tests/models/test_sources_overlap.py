@@ -1,0 +1,86 @@
+"""A model from S3 downloads while the engine is built: the configs and tokenizer come first, the
+engine starts on them, and the loader waits for each weight file until it has arrived whole.
+Against moto's S3 server; the weight GETs are held back until the loader asks for the file, so
+the order is certain without any timing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ferry.worker.common.objectstore import s3_client
+from ferry.worker.engine import LLM, SamplingParams
+from ferry.worker.models import loader
+from ferry.worker.models.errors import ModelSourceError
+from ferry.worker.models.sources import NodeCache, parse_ref, s3
+from ferry.worker.models.sources.background import BackgroundFetch
+
+pytestmark = pytest.mark.s3
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ENGINE = dict(kv_cache_bytes=4 << 20, max_model_len=128)
+
+
+@pytest.fixture
+def held_weights(monkeypatch):
+    """Ranged GETs of weight files wait until the event is set; every other GET goes at once."""
+    release = threading.Event()
+    get_range = s3._get_range
+
+    def held(client, bucket, file, *args):
+        if file.name.endswith(".safetensors"):
+            assert release.wait(60), "the weights were never asked for"
+        return get_range(client, bucket, file, *args)
+
+    monkeypatch.setattr(s3, "_get_range", held)
+    return release
+
+
+def test_the_engine_is_built_while_the_weights_download(llama_dir, s3_bucket, tmp_path, monkeypatch, held_weights):
+    for path in llama_dir.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"overlap/{path.name}")
+    cache = tmp_path / "cache"
+    asked = []  # (weight file, whether it was there) as the loader asks for it
+    wait_for_file = loader.wait_for_file
+
+    def loader_waits(path):
+        asked.append((path.name, path.exists()))
+        held_weights.set()  # only now may the weights come: the engine was started without them
+        wait_for_file(path)
+
+    monkeypatch.setattr(loader, "wait_for_file", loader_waits)
+    fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/overlap/"), cache)
+    entry = fetch.entry()
+    assert (entry / "config.json").is_file() and (entry / "tokenizer.json").is_file()
+    assert not (entry / "model.safetensors").exists() and NodeCache(cache).entries() == []  # nothing looks complete
+
+    llm = LLM(str(entry), model_cache_dir=str(cache), **ENGINE)
+    assert asked == [("model.safetensors", False)]
+    assert fetch.result() == entry and [e.path for e in NodeCache(cache).entries()] == [entry]
+    local = LLM(str(llama_dir), **ENGINE)
+    prompt = "The quick brown fox"
+    assert (llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+            == local.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids)
+
+
+def test_a_download_failing_while_the_loader_waits_fails_the_load_and_leaves_nothing(
+        llama_dir, s3_bucket, tmp_path, monkeypatch, held_weights):
+    for path in llama_dir.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"changing/{path.name}")
+    cache = tmp_path / "cache"
+    wait_for_file = loader.wait_for_file
+
+    def replaced_then_waits(path):
+        s3_client().put_object(Bucket=s3_bucket, Key=f"changing/{path.name}", Body=b"another version")
+        held_weights.set()  # the held GETs now ask for an ETag the object no longer has
+        wait_for_file(path)
+
+    monkeypatch.setattr(loader, "wait_for_file", replaced_then_waits)
+    fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/changing/"), cache)
+    entry = fetch.entry()
+    with pytest.raises(ModelSourceError, match="ended before model.safetensors arrived"):
+        LLM(str(entry), model_cache_dir=str(cache), **ENGINE)
+    error = fetch.cancel()  # what a worker reports instead: the source's own error
+    assert isinstance(error, ModelSourceError) and "an object changed during the download" in str(error)
+    assert NodeCache(cache).entries() == [] and not entry.exists()
