@@ -26,6 +26,9 @@ COMMANDS = {
     "bench": ("bench.cli", "main", "run benchmark suites and write JSON + plots to bench/results/"),
 }
 CHECKOUT_ONLY = {"bench"}  # top-level packages of the repository that are not installed
+# name -> (module, function(argv)) run before the command's module is imported: `ferry worker`
+# starts its model's download there, ahead of its imports (worker/serve/early_start.py)
+EARLY = {"worker": ("ferry.worker.serve.early_start", "start")}
 
 
 def _usage() -> str:
@@ -52,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if str(CHECKOUT) not in sys.path:
             sys.path.insert(0, str(CHECKOUT))
+    if name in EARLY:
+        early_module, early_function = EARLY[name]
+        getattr(importlib.import_module(early_module), early_function)(rest)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

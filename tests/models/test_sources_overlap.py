@@ -5,6 +5,8 @@ the order is certain without any timing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -13,8 +15,10 @@ from ferry.worker.common.objectstore import s3_client
 from ferry.worker.engine import LLM, SamplingParams
 from ferry.worker.models import loader
 from ferry.worker.models.errors import ModelSourceError
-from ferry.worker.models.sources import NodeCache, parse_ref, s3
+from ferry.worker.models.sources import NodeCache, background, parse_ref, s3
 from ferry.worker.models.sources.background import BackgroundFetch
+from ferry.worker.models.sources.progress import DownloadCancelled
+from ferry.worker.serve import early_start
 
 pytestmark = pytest.mark.s3
 
@@ -84,3 +88,55 @@ def test_a_download_failing_while_the_loader_waits_fails_the_load_and_leaves_not
     error = fetch.cancel()  # what a worker reports instead: the source's own error
     assert isinstance(error, ModelSourceError) and "an object changed during the download" in str(error)
     assert NodeCache(cache).entries() == [] and not entry.exists()
+
+
+def test_ferry_worker_starts_the_download_before_it_imports_torch():
+    """`ferry worker`'s entry point starts the model's download first (worker/serve/early_start.py):
+    the imports of torch and the engine then run while it downloads."""
+    code = """
+import sys
+from ferry.worker.serve import early_start
+seen = []
+early_start.start = lambda argv: seen.append(("torch" in sys.modules, argv))
+from ferry.worker import cli
+try:
+    cli.main(["worker", "--model", "s3://bucket/model/", "--help"])
+except SystemExit:
+    pass
+print(seen, "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[(False, ['--model', 's3://bucket/model/', '--help'])] True", \
+        done.stderr[-2000:]
+
+
+def test_the_worker_takes_over_the_early_download_of_its_own_model(llama_dir, s3_bucket, tmp_path, monkeypatch):
+    for path in llama_dir.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"early/{path.name}")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FERRY_MODEL", f"s3://{s3_bucket}/early/")
+    monkeypatch.setenv("FERRY_MODEL_CACHE", str(cache))
+    early = early_start.start([])
+    assert early is not None and early.ref.text == f"s3://{s3_bucket}/early/"
+    assert background.take(parse_ref(f"s3://{s3_bucket}/early/"), cache, None) is early  # the same download
+    assert (early.result() / "model.safetensors").is_file()
+    assert early_start.start(["--model", str(llama_dir)]) is None  # a local model: nothing to fetch
+
+
+def test_an_early_download_of_another_model_is_stopped(llama_dir, s3_bucket, tmp_path, monkeypatch, held_weights):
+    # the settings name another cache than the entry point read: the early download stops (its weight
+    # GET is held until then), nothing of it stays, and the worker's own download runs
+    for path in llama_dir.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"other/{path.name}")
+    early_cache, cache = tmp_path / "early-cache", tmp_path / "cache"
+    monkeypatch.setenv("FERRY_MODEL_CACHE", str(early_cache))
+    early = early_start.start(["--model", f"s3://{s3_bucket}/other/"])
+    early.entry()  # the small files are in: its weights' GET is held
+    taken = background.take(parse_ref(f"s3://{s3_bucket}/other/"), cache, None)
+    assert taken is not early
+    held_weights.set()
+    with pytest.raises(DownloadCancelled):
+        early.result()
+    assert (taken.result() / "model.safetensors").is_file()
+    assert NodeCache(early_cache).entries() == []
+    assert [p.name for p in (early_cache / "downloads").iterdir()] == [".locks"]  # nothing half-written

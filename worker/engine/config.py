@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ferry.worker.models.quantization import check_quantization_name
+from ferry.worker.models.sources import DEFAULT_CACHE_DIR
 
 SPEC_METHODS = ("ngram", "draft")
 MODEL_IMPLS = ("auto", "ferry", "transformers")
@@ -89,7 +90,7 @@ class EngineConfig:
     quantization: str | None = None
     # Where GGUF models are converted to HF checkpoints, once per file (<dir>/<sha256 prefix>/);
     # a relative path is relative to the current directory
-    model_cache_dir: str = ".ferry/models"
+    model_cache_dir: str = DEFAULT_CACHE_DIR
     structured_outputs_cache_size: int = 64  # compiled grammars kept (LRU), keyed by spec and tokenizer
     # Ranks the model is split over (Megatron-style, docs/tensor-parallel.md): 1 runs in this process;
     # N > 1 spawns N - 1 rank processes (rank r on cuda:r, or CPU processes); kv_cache_bytes is per rank

@@ -5,8 +5,9 @@ it, and the intake's own prompt renderer.
 An hf:// or s3:// model downloads into the node's cache on a thread of its own while the engine is
 built: the engine starts once the configs and tokenizer are in, and its loader waits for each
 weight file as it arrives (worker/models/sources/background.py). The load phases
-(`ferry_model_load_seconds`) then overlap: `download` is from the start of loading until the whole
-model is in the cache; `load` is the engine's construction, from the configs being there (its wait
+(`ferry_model_load_seconds`) then overlap: `download` is from the download's start (under `ferry
+worker`, before the worker's imports: worker/serve/early_start.py) until the whole model is in the
+cache; `load` is the engine's construction, from the configs being there (its wait
 for weight files included) to the engine built; `warmup` is what follows (snapshot, adapters, renderer).
 """
 
@@ -23,8 +24,7 @@ from pathlib import Path
 import torch
 
 from ferry.worker.engine import Engine
-from ferry.worker.models.sources import parse_ref
-from ferry.worker.models.sources.background import BackgroundFetch
+from ferry.worker.models.sources import background, parse_ref
 from ferry.worker.serve import loras
 from ferry.worker.serve.engine_loop import EngineLoop
 from ferry.worker.serve.metrics import WorkerMetrics
@@ -97,8 +97,8 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
     # (bench.api: worker TTFT p50 +100 ms when it fell in a burst's first step).
     gc.collect()
     gc.freeze()
-    phases = {"download": 0.0 if fetch is None else fetch.finished - started, "load": engine_built - engine_started,
-              "warmup": time.monotonic() - engine_built}
+    phases = {"download": 0.0 if fetch is None else fetch.finished - fetch.started,
+              "load": engine_built - engine_started, "warmup": time.monotonic() - engine_built}
     for phase, seconds in phases.items():
         metrics.model_load.labels(phase).set(seconds)
     log.info("engine loaded", extra={"model": settings.served_model_name, "fingerprint": served.fingerprint,
@@ -107,10 +107,11 @@ def load(settings: WorkerSettings, worker_id: str, metrics: WorkerMetrics, submi
     return served
 
 
-def _start_fetch(settings: WorkerSettings) -> BackgroundFetch | None:
-    """The download of an hf:// or s3:// model, started now; None for a model on this machine."""
+def _start_fetch(settings: WorkerSettings) -> background.BackgroundFetch | None:
+    """The download of an hf:// or s3:// model: the one `ferry worker` began before its imports, or
+    one started now; None for a model on this machine."""
     ref = parse_ref(str(settings.engine.model))
     if ref is None:
         return None
     max_bytes = None if settings.model_cache_max_gb is None else int(settings.model_cache_max_gb * 1e9)
-    return BackgroundFetch(ref, Path(settings.engine.model_cache_dir).expanduser(), max_bytes)
+    return background.take(ref, Path(settings.engine.model_cache_dir).expanduser(), max_bytes)

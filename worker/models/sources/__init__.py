@@ -20,6 +20,7 @@ from ferry.worker.models.sources.refs import BadReferenceError, ModelRef, parse_
 
 log = logging.getLogger("ferry.worker.models")
 
+DEFAULT_CACHE_DIR = ".ferry/models"  # the node's model cache unless FERRY_MODEL_CACHE says otherwise
 SOURCES = {"hf": hub, "s3": s3}  # scheme -> module with list_files(ref) and download (node_cache.Download)
 
 
@@ -62,5 +63,5 @@ def _served_path(ref: ModelRef, entry: Path) -> Path:
     return entry / ref.path.rsplit("/", 1)[-1] if ref.gguf else entry
 
 
-__all__ = ["BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cached_entries", "fetch_model",
-           "incoming_files", "parse_ref", "wait_for_file"]
+__all__ = ["DEFAULT_CACHE_DIR", "BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cached_entries",
+           "fetch_model", "incoming_files", "parse_ref", "wait_for_file"]

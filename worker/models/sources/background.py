@@ -6,6 +6,10 @@
     fetch.result()                           # the complete entry; the download's error if it failed
 
 A GGUF reference, or a copy the node already has, is complete when `entry` returns.
+
+`ferry worker` starts its model's download before it imports torch and the engine (`start_early`,
+from its entry point: about 4 s of imports to hide the download behind); the loading then takes
+that fetch over (`take`) when it asks for the same model into the same cache.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from pathlib import Path
 
 from ferry.worker.models.sources import fetch_model
 from ferry.worker.models.sources.progress import DownloadCancelled
-from ferry.worker.models.sources.refs import ModelRef
+from ferry.worker.models.sources.refs import BadReferenceError, ModelRef, parse_ref
+
+_EARLY: dict[tuple[str, Path], BackgroundFetch] = {}  # (reference, cache) -> the fetch `start_early` began
 
 
 class BackgroundFetch:
@@ -74,3 +80,28 @@ class BackgroundFetch:
         with self._lock:
             if not self._entry.done():
                 self._entry.set_result(path)
+
+
+def start_early(model: str | None, cache_dir: str, max_bytes: int | None) -> BackgroundFetch | None:
+    """Start the download of `model` now if it is an hf:// or s3:// reference (None otherwise, or for
+    one that does not parse: the settings report that). `take` hands it over."""
+    try:
+        ref = parse_ref(model) if model else None
+    except BadReferenceError:
+        return None
+    if ref is None:
+        return None
+    directory = Path(cache_dir).expanduser()
+    fetch = BackgroundFetch(ref, directory, max_bytes)
+    _EARLY[(ref.text, directory.resolve())] = fetch
+    return fetch
+
+
+def take(ref: ModelRef, cache_dir: Path, max_bytes: int | None) -> BackgroundFetch:
+    """The fetch `start_early` began for `ref` into `cache_dir`, else one started now. An early fetch
+    of anything else (the settings named another model or cache) is cancelled."""
+    early = _EARLY.pop((ref.text, Path(cache_dir).expanduser().resolve()), None)
+    for other in list(_EARLY.values()):
+        other.cancel(timeout_s=0)  # it stops at its next read and removes what it wrote
+    _EARLY.clear()
+    return early if early is not None else BackgroundFetch(ref, cache_dir, max_bytes)
