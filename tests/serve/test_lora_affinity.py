@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from ferry.worker.protocol import Keys, enqueue_job
-from ferry.worker.serve.lora_affinity import LoraAffinity, parse_peer
+from ferry.worker.serve.lora_affinity import LoraAffinity, parse_peer, queue_allowance
 from ferry.worker.serve.queue_reader import QueueReader
 from ferry.worker.serve.writes import Delivery
 from tests.serve.conftest import greedy, start_worker, wait_for, wait_ready, wait_terminal
@@ -57,6 +57,15 @@ def affinity(client: redis.Redis, keys: Keys, worker_id: str, held: list[str] = 
     return LoraAffinity(client, keys, MODEL, worker_id, lambda: list(held), refresh_s=0.0, max_age_s=5.0)
 
 
+def hold(client: redis.Redis, keys: Keys, worker_id: str, n: int) -> list[str]:
+    """`n` queue entries pending under `worker_id`, as the jobs it runs are; their entry ids."""
+    stream = keys.queue(MODEL, "normal")
+    client.xgroup_create(stream, keys.group, id="0", mkstream=True) if not client.exists(stream) else None
+    ids = [client.xadd(stream, {"job_id": f"{worker_id}-{i}", "attempt": "1"}) for i in range(n)]
+    client.xreadgroup(keys.group, worker_id, {stream: ">"}, count=n)
+    return ids
+
+
 def owner(client: redis.Redis, keys: Keys, d: Delivery) -> str | None:
     pending = client.xpending_range(d.stream, keys.group, d.entry_id, d.entry_id, 1)
     return pending[0]["consumer"] if pending else None
@@ -95,7 +104,8 @@ def test_a_job_moves_to_the_peer_holding_its_adapter_and_wakes_its_blocked_read(
 
 def test_a_job_stays_where_no_live_peer_with_room_holds_its_adapter(redis_keys):
     client, keys = redis_keys
-    beat(client, keys, "full", ["sql"], jobs=4, max_num_seqs=4)
+    beat(client, keys, "full", ["sql"], max_num_seqs=4)
+    hold(client, keys, "full", 4 + queue_allowance(4))  # its batch and its short queue
     beat(client, keys, "stale", ["sql"], age_s=30.0)
     beat(client, keys, "draining", ["sql"], state="draining")
     beat(client, keys, "other-model", ["sql"], model="big")
@@ -116,17 +126,24 @@ def test_a_job_is_moved_at_most_once_and_never_away_from_a_holder(redis_keys):
                            (Delivery("s", "2-0", {}, reclaimed=True), "j2", "sql")]) == {}
 
 
-def test_what_was_sent_since_a_peers_beat_counts_against_its_room(redis_keys):
+def test_a_peers_room_is_what_it_holds_now_moves_included(redis_keys):
     client, keys = redis_keys
-    beat(client, keys, "A", ["sql"], jobs=2, max_num_seqs=4)
-    beat(client, keys, "C", ["sql"], jobs=3, max_num_seqs=4)
-    d = Delivery("s", "1-0", {})
+    cap = 4 + queue_allowance(4)  # max_num_seqs and the short queue a full holder still takes
+    beat(client, keys, "A", ["sql"], jobs=0, max_num_seqs=4)  # a beat's job count is stale: not read
+    beat(client, keys, "C", ["sql"], max_num_seqs=4)
+    a_entries = hold(client, keys, "A", cap - 2)
+    hold(client, keys, "C", cap - 1)
+    b = reader(client, keys, "B")
+    for _ in range(6):
+        enqueue_job(client, keys, greedy(prompt="hi", lora="sql"))
+    read = [(d, d.fields["job_id"], "sql") for d in read_jobs(b, 6)]
     chooser = affinity(client, keys, "B")
     # the roomiest holder each time: A's 2 places and C's last one, then none left: served here
-    moves = chooser.choose([(d, f"j{i}", "sql") for i in range(5)])
-    assert sorted(moves) == ["j0", "j1", "j2"] and sorted(moves.values()) == ["A", "A", "C"]
-    beat(client, keys, "A", ["sql"], jobs=1, max_num_seqs=4)  # a newer beat: what was sent is in it
-    assert chooser.choose([(d, "j5", "sql")]) == {"j5": "A"}
+    moves = chooser.choose(read[:4])
+    assert len(moves) == 3 and sorted(moves.values()) == ["A", "A", "C"]
+    assert chooser.move([(d, j, moves[j]) for d, j, _ in read[:4] if j in moves]) == set(moves)
+    client.xack(keys.queue(MODEL, "normal"), keys.group, a_entries[0])  # one of A's jobs ended
+    assert chooser.choose(read[4:]) == {read[4][1]: "A"}  # what was moved to A holds its other places
 
 
 def test_the_peer_drops_a_moved_entry_a_reaper_took_and_a_draining_peer_hands_back_the_rest(redis_keys):
@@ -177,8 +194,8 @@ def test_peer_heartbeats_that_do_not_describe_a_peer_are_skipped():
     now = time.time()
     good = {"model": MODEL, "state": "ready", "loras": '["sql"]', "jobs": "1", "max_num_seqs": "4", "ts": repr(now)}
     peer = parse_peer("A", good, MODEL, now, 5.0)
-    assert (peer.loras, peer.room) == (frozenset({"sql"}), 3)
-    for broken in ({"loras": "not json"}, {"jobs": "x"}, {"ts": "later"}, {"loras": "[]"}):
+    assert (peer.loras, peer.max_num_seqs) == (frozenset({"sql"}), 4)
+    for broken in ({"loras": "not json"}, {"max_num_seqs": "x"}, {"ts": "later"}, {"loras": "[]"}):
         assert parse_peer("A", {**good, **broken}, MODEL, now, 5.0) is None
     assert parse_peer("A", {k: v for k, v in good.items() if k != "max_num_seqs"}, MODEL, now, 5.0) is None
 

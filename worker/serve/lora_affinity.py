@@ -4,14 +4,20 @@ Jobs of every adapter share the base model's queue, so any worker of the base ma
 adapter it does not hold while another worker holds it: serving it here costs a read from disk, S3
 or the Hub and an adapter slot, where the holder serves it at once. So when the intake has decided
 to start such a job (`JobStarter.prepare`), and a live peer of the same model holds the adapter (the
-heartbeat's `loras`, in host memory or a slot) and has room by its last beat, one script moves the
-queue entry to that peer (`HAND_OFF`: the entry changes owner, so its lease goes with it and a peer
+heartbeat's `loras`, in host memory or a slot) and has room, one script moves the queue entry to
+that peer (`HAND_OFF`: the entry changes owner, so its lease goes with it and a peer
 that dies before starting it loses it to the reaper: nothing is lost) and wakes the peer's blocked
 read through its hand-off stream, which the peer reads before the queue (`QueueReader`).
 
 Nothing starves: a job moves at most once (a handed-over or reclaimed entry is never moved on), only
-to a peer with room (what this worker sent it since its last beat counts against that room), and a
-job whose adapter no live peer holds, or whose holders are full, is served where it was read.
+to a peer with room, and a job whose adapter no live peer holds, or whose holders are full, is
+served where it was read. A peer's room is its `max_num_seqs` (heartbeat) plus a short queue
+(`queue_allowance`), less the queue entries it holds now (the consumer group's pending count per
+consumer, read at each decision: a heartbeat's job count is up to an interval old, and jobs end
+faster than that). The queue: a holder whose batch is full is still the better place for a few
+more, which wait there for a slot (less than one job's length; and past the lease the reaper gives
+them to any worker) instead of an adapter read elsewhere; it also covers the entries a peer has
+just read and not yet started or moved on, which its pending count holds for a moment.
 """
 
 from __future__ import annotations
@@ -43,8 +49,12 @@ class Peer:
 
     worker_id: str
     loras: frozenset[str]  # adapters it holds (host memory or a slot)
-    room: int  # jobs it could still take: max_num_seqs - jobs held
-    beat_at: float  # unix time of that heartbeat
+    max_num_seqs: int  # jobs it runs at once
+
+
+def queue_allowance(max_num_seqs: int) -> int:
+    """Jobs a holder whose batch is full may still be handed, to wait there for a slot."""
+    return max(2, max_num_seqs // 8)
 
 
 def parse_peer(worker_id: str, beat: dict[str, str], model: str, now: float, max_age_s: float) -> Peer | None:
@@ -54,8 +64,7 @@ def parse_peer(worker_id: str, beat: dict[str, str], model: str, now: float, max
         if beat.get("model") != model or beat.get("state") != "ready" or now - float(beat["ts"]) > max_age_s:
             return None
         loras = frozenset(json.loads(beat.get("loras") or "[]"))
-        room = int(beat["max_num_seqs"]) - int(beat["jobs"])
-        return Peer(worker_id, loras, room, float(beat["ts"])) if loras else None
+        return Peer(worker_id, loras, int(beat["max_num_seqs"])) if loras else None
     except (KeyError, ValueError, TypeError):
         return None
 
@@ -71,7 +80,7 @@ class LoraAffinity:
         self.max_age_s = max_age_s  # a heartbeat older than this is a gone worker's
         self.peers: dict[str, Peer] = {}
         self._read_at = float("-inf")  # monotonic time of the last read of the peers
-        self._sent: dict[str, tuple[float, int]] = {}  # peer -> (its beat we sent against, jobs sent since)
+        self.streams = keys.queues(model)  # where a peer's queue entries are pending
         self.on_moved = on_moved  # told how many jobs each `move` handed over (a metric)
         self._hand_off = lua.register(client, lua.HAND_OFF)
 
@@ -99,13 +108,18 @@ class LoraAffinity:
         if not wanted:
             return {}
         self._refresh()
+        holders = {p.worker_id: p for p in self.peers.values() if any(lora in p.loras for _, _, lora in wanted)}
+        if not holders:
+            return {}
+        room = {w: p.max_num_seqs + queue_allowance(p.max_num_seqs) - n
+                for w, (p, n) in zip(holders, self._pending(list(holders)), strict=True)}
         moves: dict[str, str] = {}
         for _, job_id, lora in wanted:
-            holders = [p for p in self.peers.values() if lora in p.loras and self._room(p) > 0]
-            if holders:
-                peer = max(holders, key=self._room)
-                self._sent[peer.worker_id] = (peer.beat_at, self._sent_since_beat(peer) + 1)
-                moves[job_id] = peer.worker_id
+            able = [w for w, p in holders.items() if lora in p.loras and room[w] > 0]
+            if able:
+                peer = max(able, key=room.__getitem__)
+                room[peer] -= 1
+                moves[job_id] = peer
         return moves
 
     def move(self, moves: list[tuple[Delivery, str, str]]) -> set[str]:
@@ -130,12 +144,20 @@ class LoraAffinity:
         self.on_moved(len(moved))
         return moved
 
-    def _sent_since_beat(self, peer: Peer) -> int:
-        beat, sent = self._sent.get(peer.worker_id, (peer.beat_at, 0))
-        return sent if beat == peer.beat_at else 0  # a newer beat counts what was sent before it
-
-    def _room(self, peer: Peer) -> int:
-        return peer.room - self._sent_since_beat(peer)
+    def _pending(self, workers: list[str]) -> list[tuple[Peer, int]]:
+        """(peer, queue entries it holds now) for each of `workers`: XPENDING's per-consumer counts
+        over the model's queue streams, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xpending(stream, self.keys.group)
+        held = dict.fromkeys(workers, 0)
+        for summary in pipe.execute(raise_on_error=False):
+            if isinstance(summary, Exception):
+                continue  # a stream without its group (Redis restarted empty): nothing pending there
+            for consumer in summary.get("consumers") or []:
+                if consumer["name"] in held:
+                    held[consumer["name"]] += int(consumer["pending"])
+        return [(self.peers[w], held[w]) for w in workers]
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -151,5 +173,3 @@ class LoraAffinity:
         beats = pipe.execute() if ids else []
         peers = (parse_peer(w, beat, self.model, wall, self.max_age_s) for w, beat in zip(ids, beats, strict=True))
         self.peers = {p.worker_id: p for p in peers if p is not None}
-        # what was sent against an older beat is in the peer's newer one
-        self._sent = {w: sent for w, sent in self._sent.items() if w in self.peers and sent[0] == self.peers[w].beat_at}
