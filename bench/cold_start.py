@@ -19,6 +19,11 @@ against it.
     python -m bench.cold_start                  # every source, with and without a snapshot
     python -m bench.cold_start --sources local s3 --runs 2
     python -m bench.cold_start --conversion     # the GGUF conversion cache: first start vs later
+    python -m bench.cold_start --weights-dtype bfloat16   # the weights as the Hub publishes them
+
+`--weights-dtype bfloat16` stores the same weights in bfloat16 (269 MB, as the Hub's checkpoint of
+SmolLM2-135M-Instruct is) for every source, local included; the engine still computes in float32
+(FERRY_DTYPE=float32: the weights are widened as they load). Its results go to `cold_start_bf16-*.json`.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
     p.add_argument("--runs", type=int, default=1, help="starts per source and snapshot setting (the median is kept)")
+    p.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the stored weights' dtype (the engine computes in float32 either way)")
     p.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="local and s3 only")
@@ -161,14 +168,16 @@ def compare_sources(args: argparse.Namespace) -> dict:
     from ferry.worker.models.loader import resolve_model_path
 
     weights = resolve_model_path(SMOLLM2_SERVED_NAME, REPO / ".ferry" / "models")
+    work = Path(tempfile.mkdtemp(prefix="ferry-cold-start-"))
+    if args.weights_dtype == "bfloat16":
+        weights = _bfloat16_copy(weights, work / "weights-bf16")
     files = [p for p in weights.iterdir() if p.name != "source.json"]
     model_bytes = sum(p.stat().st_size for p in files)
-    work = Path(tempfile.mkdtemp(prefix="ferry-cold-start-"))
     port = _free_port()
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     moto.start()
     s3_env = {"FERRY_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-              "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+              "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1", "FERRY_DTYPE": "float32"}
     os.environ.update(s3_env)
     try:
         client = s3_client(max_connections=16)
@@ -201,16 +210,37 @@ def compare_sources(args: argparse.Namespace) -> dict:
     finally:
         moto.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return _report(starts, model_bytes, raw)
+    return _report(starts, model_bytes, raw, args.weights_dtype)
 
 
-def _report(starts: list[dict], model_bytes: int, raw_bytes_per_s: float) -> dict:
+def _bfloat16_copy(weights: Path, directory: Path) -> Path:
+    """`weights` (a float32 checkpoint) with its safetensors stored in bfloat16 and its config saying so."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True)
+    for path in weights.iterdir():
+        if path.name == "source.json":
+            continue
+        if path.suffix == ".safetensors":
+            tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(path).items()}
+            save_file(tensors, directory / path.name, metadata={"format": "pt"})
+        elif path.name == "config.json":
+            config = json.loads(path.read_text())
+            config["torch_dtype" if "torch_dtype" in config else "dtype"] = "bfloat16"
+            (directory / path.name).write_text(json.dumps(config, indent=2))
+        else:
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
+def _report(starts: list[dict], model_bytes: int, raw_bytes_per_s: float, weights_dtype: str = "float32") -> dict:
     by = {(s["source"], s["snapshot"]): s for s in starts}
     local = by.get(("local", False))
     s3 = by.get(("s3", False))
     s3_load_bytes_per_s = model_bytes / s3["download_s"] if s3 and s3["download_s"] else None
     report = {
-        "model": "SmolLM2-135M-Instruct (float32 safetensors)",
+        "model": f"SmolLM2-135M-Instruct ({weights_dtype} safetensors)",
         "model_bytes": model_bytes,
         "starts": starts,
         "s3_raw_get_bytes_per_s": raw_bytes_per_s,
@@ -250,8 +280,10 @@ def conversion(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     report = conversion(args) if args.conversion else compare_sources(args)
-    report["settings"] = {"sources": args.sources, "runs": args.runs, "conversion": args.conversion}
-    path = write_result("cold_start", report)
+    report["settings"] = {"sources": args.sources, "runs": args.runs, "conversion": args.conversion,
+                          "weights_dtype": args.weights_dtype}
+    bf16 = args.weights_dtype == "bfloat16" and not args.conversion
+    path = write_result("cold_start_bf16" if bf16 else "cold_start", report)
     for s in report["starts"]:
         label = s.get("source", s.get("cache"))
         print(f"{label:<10} snapshot={s.get('snapshot', '-')!s:<5} ready {s['ready_s']:.2f} s, first token "
