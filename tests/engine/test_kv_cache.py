@@ -1,4 +1,5 @@
-"""Block manager: exact block ids through allocation, growth, freeing and eviction order."""
+"""Block manager: exact block ids through allocation, growth, freeing and eviction order; the
+CPU pool the blocks live in."""
 
 from __future__ import annotations
 
@@ -151,3 +152,27 @@ def test_blocks_registered_for_uncomputed_tokens_leave_the_cache_on_free():
     kv.free(a)  # preempted before the step ran: num_computed_tokens is still 0
     assert kv.cached == {} and kv.num_free_blocks == 8
     assert kv.lookup_prefix(make_request("b", 9)).block_ids == []
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_cpu_pool_is_zero_and_takes_memory_only_as_it_is_written():
+    import torch
+
+    from ferry.worker.engine.model_runner import zeroed_pool
+
+    shape = (4, 2, 1024, 2, 16, 64)  # [layer, K/V, block, kv head, slot, head dim]: 512 MiB of float32
+    before = _resident_bytes()
+    pool = zeroed_pool(shape, torch.float32, torch.device("cpu"))
+    assert pool.shape == shape and pool.dtype == torch.float32 and pool.is_contiguous()
+    assert _resident_bytes() - before < (64 << 20)  # torch.zeros would have written all 512 MiB
+    pool[1, 0, 7] = 2.5
+    assert float(pool[1, 0, 7].sum()) == 2.5 * 2 * 16 * 64 and float(pool.sum()) == 2.5 * 2 * 16 * 64
+    half = zeroed_pool((3, 5), torch.bfloat16, torch.device("cpu"))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, torch.zeros(3, 5, dtype=torch.bfloat16))
+    assert zeroed_pool((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)

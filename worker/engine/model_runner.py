@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +54,21 @@ class StepOutput:
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of `shape`. On the CPU it is an anonymous mapping: the kernel's zero pages,
+    each faulted in at its first write, so a 4 GiB pool costs nothing at start (torch.zeros writes
+    every page: about 2.5 s of a cold start here) and RAM is taken as blocks fill."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # frombuffer keeps the mapping alive as long as the tensor (and views of it) live.
+    # Private: a process forked from this one gets its own copy on write, never a shared pool.
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
         self.model = model
@@ -60,10 +77,8 @@ class ModelRunner:
         self.device = torch.device(device)
         # One pool for all layers: [layer, K/V, block, kv head, slot, head dim]. Zeroed so that
         # padded positions read by the CPU path are finite (they are masked out).
-        self.kv_cache = torch.zeros(
-            (arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim),
-            dtype=dtype,
-            device=self.device,
+        self.kv_cache = zeroed_pool(
+            (arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim), dtype, self.device
         )
         self._attention_workspace: dict = {}  # scratch buffers the CPU attention path reuses every step
         # LongRoPE's rotary table holds the short factors' rows, then as many of the long factors'.
