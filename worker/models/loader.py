@@ -296,7 +296,7 @@ def load_model(
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} on this rank, expected {tuple(dest.shape)}"
             )
-        dest.copy_(tensor.to(dtype))
+        dest.copy_(tensor)  # converts to the parameter's dtype as it copies (no intermediate tensor)
         filled[target] += tensor.numel()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
