@@ -1,5 +1,6 @@
 """A model from S3 downloads while the engine is built: the configs and tokenizer come first, the
-engine starts on them, and the loader waits for each weight file until it has arrived whole.
+engine starts on them, and the loader reads each tensor as its bytes arrive (another process's
+loader waits for each weight file whole).
 Against moto's S3 server; the weight GETs are held back until the loader asks for the file, so
 the order is certain without any timing."""
 
@@ -15,6 +16,7 @@ from ferry.worker.common.objectstore import s3_client
 from ferry.worker.engine import LLM, SamplingParams
 from ferry.worker.models import loader
 from ferry.worker.models.errors import ModelSourceError
+from ferry.worker.models.safetensors_stream import ArrivingSafetensors
 from ferry.worker.models.sources import NodeCache, background, parse_ref, s3
 from ferry.worker.models.sources.background import BackgroundFetch
 from ferry.worker.models.sources.progress import DownloadCancelled
@@ -45,15 +47,15 @@ def test_the_engine_is_built_while_the_weights_download(llama_dir, s3_bucket, tm
     for path in llama_dir.iterdir():
         s3_client().upload_file(str(path), s3_bucket, f"overlap/{path.name}")
     cache = tmp_path / "cache"
-    asked = []  # (weight file, whether it was there) as the loader asks for it
-    wait_for_file = loader.wait_for_file
+    asked = []  # (weight file, whether it was there) as the loader opens it
+    open_weights = loader.open_weights
 
-    def loader_waits(path):
+    def loader_opens(path):
         asked.append((path.name, path.exists()))
         held_weights.set()  # only now may the weights come: the engine was started without them
-        wait_for_file(path)
+        return open_weights(path)
 
-    monkeypatch.setattr(loader, "wait_for_file", loader_waits)
+    monkeypatch.setattr(loader, "open_weights", loader_opens)
     fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/overlap/"), cache)
     entry = fetch.entry()
     assert (entry / "config.json").is_file() and (entry / "tokenizer.json").is_file()
@@ -68,26 +70,90 @@ def test_the_engine_is_built_while_the_weights_download(llama_dir, s3_bucket, tm
             == local.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids)
 
 
+def test_tensors_load_as_their_bytes_arrive_before_the_file_is_whole(llama_dir, s3_bucket, tmp_path, monkeypatch):
+    # ranges of 4 KiB: the GET of the file's last range is held until the loader has read tensors
+    # from the ranges before it, which it can only do while the file is still downloading
+    for path in llama_dir.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"stream/{path.name}")
+    monkeypatch.setattr(s3, "RANGE_BYTES", 4096)
+    weights = llama_dir / "model.safetensors"
+    size = weights.stat().st_size
+    last_start = (size - 1) // 4096 * 4096
+    tensors_read = threading.Event()
+    read_before_whole = []  # tensor names the loader read while the last range was held
+    get_range, get_tensor = s3._get_range, ArrivingSafetensors.get_tensor
+
+    def held(client, bucket, file, path, start, *args):
+        if file.name == "model.safetensors" and start == last_start:
+            assert tensors_read.wait(60), "the loader read no tensor before the file was whole"
+        return get_range(client, bucket, file, path, start, *args)
+
+    def counted(self, name):
+        tensor = get_tensor(self, name)
+        if not tensors_read.is_set():
+            read_before_whole.append(name)
+            if len(read_before_whole) == 3:
+                tensors_read.set()
+        return tensor
+
+    monkeypatch.setattr(s3, "_get_range", held)
+    monkeypatch.setattr(ArrivingSafetensors, "get_tensor", counted)
+    cache = tmp_path / "cache"
+    fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/stream/"), cache)
+    llm = LLM(str(fetch.entry()), model_cache_dir=str(cache), **ENGINE)
+    assert len(read_before_whole) == 3
+    assert fetch.result() == fetch.entry() and (fetch.entry() / "model.safetensors").stat().st_size == size
+    local = LLM(str(llama_dir), **ENGINE)
+    prompt = "The quick brown fox jumps over"
+    assert (llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+            == local.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids)
+
+
 def test_a_download_failing_while_the_loader_waits_fails_the_load_and_leaves_nothing(
         llama_dir, s3_bucket, tmp_path, monkeypatch, held_weights):
     for path in llama_dir.iterdir():
         s3_client().upload_file(str(path), s3_bucket, f"changing/{path.name}")
     cache = tmp_path / "cache"
-    wait_for_file = loader.wait_for_file
+    open_weights = loader.open_weights
 
-    def replaced_then_waits(path):
+    def replaced_then_opens(path):
         s3_client().put_object(Bucket=s3_bucket, Key=f"changing/{path.name}", Body=b"another version")
         held_weights.set()  # the held GETs now ask for an ETag the object no longer has
-        wait_for_file(path)
+        return open_weights(path)
 
-    monkeypatch.setattr(loader, "wait_for_file", replaced_then_waits)
+    monkeypatch.setattr(loader, "open_weights", replaced_then_opens)
     fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/changing/"), cache)
     entry = fetch.entry()
-    with pytest.raises(ModelSourceError, match="ended before model.safetensors arrived"):
-        LLM(str(entry), model_cache_dir=str(cache), **ENGINE)
-    error = fetch.cancel()  # what a worker reports instead: the source's own error
+    with pytest.raises(ModelSourceError, match="an object changed during the download"):
+        LLM(str(entry), model_cache_dir=str(cache), **ENGINE)  # the loader gets the download's own error
+    error = fetch.cancel()
     assert isinstance(error, ModelSourceError) and "an object changed during the download" in str(error)
     assert NodeCache(cache).entries() == [] and not entry.exists()
+
+
+def test_another_process_loading_a_downloading_file_waits_for_it_whole(llama_dir, s3_bucket, tmp_path, monkeypatch,
+                                                                       held_weights):
+    # not this process's download (a second worker on the node, a tensor-parallel rank): no arriving
+    # file is registered for it, and the loader waits for the whole file (node_cache.wait_for_file)
+    for path in llama_dir.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"elsewhere/{path.name}")
+    cache = tmp_path / "cache"
+    waited = []
+    wait_for_file = loader.wait_for_file
+
+    def loader_waits(path):
+        waited.append((path.name, path.exists()))
+        held_weights.set()
+        wait_for_file(path)
+
+    monkeypatch.setattr(loader, "wait_for_file", loader_waits)
+    monkeypatch.setattr(loader, "arriving_file", lambda path: None)  # as seen from another process
+    fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/elsewhere/"), cache)
+    llm = LLM(str(fetch.entry()), model_cache_dir=str(cache), **ENGINE)
+    assert waited == [("model.safetensors", False)]
+    local = LLM(str(llama_dir), **ENGINE)
+    assert (llm.generate("Hello", GREEDY, use_tqdm=False)[0].token_ids
+            == local.generate("Hello", GREEDY, use_tqdm=False)[0].token_ids)
 
 
 def test_ferry_worker_starts_the_download_before_it_imports_torch():

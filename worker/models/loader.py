@@ -30,6 +30,7 @@ from ferry.worker.models.gguf import GGUFCheckpoint, GGUFTensor, raw_blocks
 from ferry.worker.models.gguf_cache import converted_checkpoint
 from ferry.worker.models.llama import LlamaModel
 from ferry.worker.models.quantization import KEPT_TYPES, NO_QUANTIZATION, Quantization
+from ferry.worker.models.safetensors_stream import ArrivingSafetensors
 from ferry.worker.models.sharding import (
     UNSHARDED,
     Shard,
@@ -39,6 +40,7 @@ from ferry.worker.models.sharding import (
     mlp_intermediate_size,
 )
 from ferry.worker.models.sources import fetch_model, incoming_files, parse_ref, wait_for_file
+from ferry.worker.models.sources.arriving import arriving_file
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +339,17 @@ def _reorder_for_partial_rotary(model: LlamaModel, local: ModelArch) -> None:
                 norm.data.copy_(norm.data[order])
 
 
+def open_weights(path: Path):
+    """A safetensors file to read tensors from (safe_open's calls). One that a download in this
+    process is writing now is read tensor by tensor as its bytes arrive (sources/arriving.py); one
+    another process downloads is waited for whole (sources/node_cache.py)."""
+    arriving = arriving_file(path)
+    if arriving is not None:
+        return ArrivingSafetensors(arriving)
+    wait_for_file(path)
+    return safe_open(str(path), framework="pt", device="cpu")
+
+
 def checkpoint_tensors(
     model_dir: Path, arch: ModelArch, shard: Shard = UNSHARDED, skip: set[str] = frozenset()
 ) -> Iterator[tuple[str, str, str | None, torch.Tensor]]:
@@ -346,8 +359,7 @@ def checkpoint_tensors(
     files = weight_files(model_dir)
     with tqdm(total=len(files), desc="loading weights", unit="file", disable=len(files) < 2) as bar:
         for path in files:
-            wait_for_file(path)  # a download in progress brings it (worker/models/sources/node_cache.py)
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with open_weights(path) as f:
                 for name in f.keys():
                     mapped = map_name(name)
                     if mapped is None:

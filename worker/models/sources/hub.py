@@ -58,8 +58,10 @@ def list_files(ref: ModelRef) -> Listing:
     return Listing(ref, info.sha, tuple(files))
 
 
-def download(listing: Listing, directory: Path, progress: TransferProgress, arrived: Arrived) -> None:
-    """The listing's files at its commit, into `directory`, in the listing's order; `arrived(file)` as each is in."""
+def download(listing: Listing, directory: Path, progress: TransferProgress, arrived: Arrived,
+             written=None) -> None:
+    """The listing's files at its commit, into `directory`, in the listing's order; `arrived(file)`
+    as each is in (whole files: `written` is never called, a loader reads each file once it is in)."""
     from huggingface_hub import hf_hub_download
 
     ref = listing.ref

@@ -15,7 +15,8 @@ then renamed into the entry, and source.json is renamed in last, so a crash leav
 looks complete; the next holder of the lock removes the leftovers (the temporary directory, an
 entry without source.json). Small files first: the configs and tokenizer arrive before the
 weights, and `on_entry` is told then, so a worker builds its engine while the weights arrive and
-`wait_for_file` holds its loader back until each weight file is there. Size cap: after a
+`wait_for_file` holds its loader back until each weight file is there; a loader in the
+downloading process reads each tensor as its bytes arrive instead (sources/arriving.py). Size cap: after a
 download, least recently used entries (source.json's mtime, touched on every use) are removed
 until the cache fits, never the entry just fetched; an entry is renamed away before it is deleted.
 """
@@ -38,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ferry.worker.models.errors import ModelSourceError
+from ferry.worker.models.sources.arriving import ArrivingFile, register, unregister
 from ferry.worker.models.sources.listing import Listing, RemoteFile
 from ferry.worker.models.sources.progress import TransferProgress
 
@@ -51,9 +53,11 @@ _FREE_MARGIN = 64 << 20  # bytes left free on the disk beyond the download
 _POLL_S = 0.05  # how often wait_for_file looks
 
 # Writes the listing's files under the directory, in the listing's order, and calls `arrived`
-# (from any thread) with each file once all its bytes are written.
+# (from any thread) with each file once all its bytes are written; a download that writes files
+# in place by ranges also calls `written(file, start, end)` for each piece (sources/arriving.py).
 Arrived = Callable[[RemoteFile], None]
-Download = Callable[[Listing, Path, TransferProgress, Arrived], None]
+Written = Callable[[RemoteFile, int, int], None]
+Download = Callable[..., None]  # (listing, directory, progress, arrived, written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,22 +158,32 @@ class NodeCache:
         progress = TransferProgress(ref, listing.total_bytes, bar, cancelled)
         ordered = sorted(listing.files, key=lambda f: f.name.endswith(WEIGHTS_SUFFIXES))  # small files first
         small = {f.name for f in ordered if not f.name.endswith(WEIGHTS_SUFFIXES)}
+        streamed = {f.name: ArrivingFile(building / f.name, target / f.name, f.size)
+                    for f in ordered if f.name.endswith(".safetensors")}
         lock = threading.Lock()
+
+        def written(file: RemoteFile, start: int, end: int) -> None:
+            if file.name in streamed:
+                streamed[file.name].written(start, end)
 
         def arrived(file: RemoteFile) -> None:
             _verify(listing, file, building / file.name)
             os.replace(building / file.name, target / file.name)
+            if file.name in streamed:
+                streamed[file.name].complete()
             with lock:
                 announce = file.name in small and len(small) == 1
                 small.discard(file.name)
             if announce and on_entry is not None:
                 on_entry(target)
 
+        for file in streamed.values():
+            register(file)
         try:
             building.mkdir()
             target.mkdir()
             (target / INCOMING).write_text(json.dumps([f.name for f in ordered]))
-            download(replace(listing, files=tuple(ordered)), building, progress, arrived)
+            download(replace(listing, files=tuple(ordered)), building, progress, arrived, written)
             rate = progress.close()
             for file in listing.files:
                 if not (target / file.name).is_file():  # not reported by the download: checked here
@@ -186,10 +200,16 @@ class NodeCache:
         except OSError as exc:
             _remove(building, target)
             cause = "the disk is full" if exc.errno == errno.ENOSPC else f"cannot write the model cache: {exc}"
-            raise ModelSourceError(f"{ref}: {cause}") from None
-        except BaseException:
+            error = ModelSourceError(f"{ref}: {cause}")
+            _fail(streamed.values(), error)
+            raise error from None
+        except BaseException as exc:
             _remove(building, target)
+            _fail(streamed.values(), exc)
             raise
+        finally:
+            for file in streamed.values():
+                unregister(file)
 
 
 def wait_for_file(path: Path) -> None:
@@ -227,6 +247,12 @@ def _locked_by_another(lock: Path) -> bool:
     finally:
         os.close(fd)  # releases the probe's own lock
     return False
+
+
+def _fail(files, error: BaseException) -> None:
+    """Wake the loaders reading `files` with the download's own error."""
+    for file in files:
+        file.fail(error)
 
 
 def _remove(*directories: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ferry.worker.common.objectstore import s3_client
 from ferry.worker.models.errors import ModelSourceError, SourceUnreachableError
 from ferry.worker.models.sources.listing import Listing, RemoteFile, serving_files
-from ferry.worker.models.sources.node_cache import Arrived
+from ferry.worker.models.sources.node_cache import Arrived, Written
 from ferry.worker.models.sources.progress import TransferProgress
 from ferry.worker.models.sources.refs import ModelRef
 
@@ -53,9 +53,11 @@ def list_files(ref: ModelRef) -> Listing:
     return Listing(ref, version, tuple(files))
 
 
-def download(listing: Listing, directory: Path, progress: TransferProgress, arrived: Arrived) -> None:
+def download(listing: Listing, directory: Path, progress: TransferProgress, arrived: Arrived,
+             written: Written | None = None) -> None:
     """Every file of `listing` into `directory`, by parallel ranged GETs in the listing's order;
-    `arrived(file)` once a file's last range is written."""
+    `written(file, start, end)` as each piece of a range is written (a loader reads the tensors
+    in it: sources/arriving.py), `arrived(file)` once a file's last range is."""
     ref = listing.ref
     client = s3_client(max_connections=PARALLEL_GETS)
     ranges, left, lock = [], {}, threading.Lock()  # left: file name -> its ranges not yet written
@@ -72,7 +74,8 @@ def download(listing: Listing, directory: Path, progress: TransferProgress, arri
     def get(job) -> None:
         file, path, start, end = job
         progress.advance(0)  # raises once the download is cancelled: no GET for the ranges left
-        got = _call(ref, _get_range, client, ref.repo, file, path, start, end, progress)
+        got = _call(ref, _get_range, client, ref.repo, file, path, start, end, progress,
+                    (lambda a, b: written(file, a, b)) if written is not None else None)
         if got != end - start:
             raise ModelSourceError(f"{ref.text}: {file.key} is truncated: a ranged GET of bytes {start}-{end - 1} "
                                    f"returned {got} bytes")
@@ -91,14 +94,17 @@ def download(listing: Listing, directory: Path, progress: TransferProgress, arri
 
 
 def _get_range(client, bucket: str, file: RemoteFile, path: Path, start: int, end: int,
-               progress: TransferProgress) -> int:
-    """GET bytes [start, end) of `file` (of its ETag only) into `path` at the same offset; the bytes written."""
+               progress: TransferProgress, written=None) -> int:
+    """GET bytes [start, end) of `file` (of its ETag only) into `path` at the same offset; the bytes
+    written. `written(a, b)` after each piece [a, b) is on disk."""
     body = client.get_object(Bucket=bucket, Key=file.key, Range=f"bytes={start}-{end - 1}", IfMatch=file.etag)["Body"]
     fd = os.open(path, os.O_WRONLY)
     try:
         offset = start
         for chunk in body.iter_chunks(1 << 20):
             os.pwrite(fd, chunk, offset)
+            if written is not None:
+                written(offset, offset + len(chunk))
             offset += len(chunk)
             progress.advance(len(chunk))
     finally:
