@@ -198,14 +198,14 @@ class NodeCache:
             os.replace(building / SOURCE_FILE, target / SOURCE_FILE)  # the entry is complete from here on
             shutil.rmtree(building, ignore_errors=True)
         except OSError as exc:
-            _remove(building, target)
             cause = "the disk is full" if exc.errno == errno.ENOSPC else f"cannot write the model cache: {exc}"
             error = ModelSourceError(f"{ref}: {cause}")
-            _fail(streamed.values(), error)
+            _fail(streamed.values(), error)  # before the files go: a reader gets the cause, not a missing file
+            _remove(building, target)
             raise error from None
         except BaseException as exc:
-            _remove(building, target)
             _fail(streamed.values(), exc)
+            _remove(building, target)
             raise
         finally:
             for file in streamed.values():
