@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from bench.common import write_result
+from bench.common import free_port, moto_s3, write_result
 from bench.hub_server import HubServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,12 +75,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
@@ -97,7 +90,7 @@ def start_once(model: str, env_extra: dict[str, str], redis_url: str, timeout_s:
     from ferry.worker.protocol import JobRequest, Keys
     from ferry.worker.protocol.queue import enqueue_job
 
-    port, prefix = _free_port(), f"bench-cold-{uuid.uuid4().hex[:8]}"
+    port, prefix = free_port(), f"bench-cold-{uuid.uuid4().hex[:8]}"
     client, keys = redis.Redis.from_url(redis_url, decode_responses=True), Keys(prefix)
     job = enqueue_job(client, keys, JobRequest(model="bench", prompt=PROMPT, max_tokens=1, temperature=0.0)).job_id
     env = dict(os.environ, FERRY_MODEL=model, FERRY_MODEL_NAME="bench", FERRY_REDIS_URL=redis_url,
@@ -161,8 +154,6 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def compare_sources(args: argparse.Namespace) -> dict:
-    from moto.server import ThreadedMotoServer
-
     from ferry.worker.common.objectstore import s3_client
     from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
     from ferry.worker.models.loader import resolve_model_path
@@ -170,50 +161,52 @@ def compare_sources(args: argparse.Namespace) -> dict:
     weights = resolve_model_path(SMOLLM2_SERVED_NAME, REPO / ".ferry" / "models")
     work = Path(tempfile.mkdtemp(prefix="ferry-cold-start-"))
     if args.weights_dtype == "bfloat16":
-        weights = _bfloat16_copy(weights, work / "weights-bf16")
+        weights = bfloat16_copy(weights, work / "weights-bf16")
     files = [p for p in weights.iterdir() if p.name != "source.json"]
     model_bytes = sum(p.stat().st_size for p in files)
-    port = _free_port()
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    moto.start()
-    s3_env = {"FERRY_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-              "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1", "FERRY_DTYPE": "float32"}
-    os.environ.update(s3_env)
     try:
-        client = s3_client(max_connections=16)
-        client.create_bucket(Bucket=BUCKET)
-        for path in tqdm(files, desc="uploading to S3", unit="file"):
-            client.upload_file(str(path), BUCKET, f"{PREFIX}/{path.name}")
-        raw = raw_get_throughput(client, [f"{PREFIX}/{p.name}" for p in files])
-        with HubServer() as hub:
-            hub.add(HUB_REPO, weights)
-            models = {"local": str(weights), "s3": f"s3://{BUCKET}/{PREFIX}/", "hub": f"hf://{HUB_REPO}",
-                      "s3-cached": f"s3://{BUCKET}/{PREFIX}/"}
-            starts = []
-            for source in tqdm(args.sources, desc="sources", unit="source"):
-                snapshot = work / f"snapshot-{source}"
-                for with_snapshot in (False, True):
-                    runs = []
-                    for _ in range(args.runs):
-                        cache = work / ("cache-warm" if source == "s3-cached" else f"cache-{uuid.uuid4().hex[:8]}")
-                        if source == "s3-cached" and not cache.exists():
-                            start_once(models[source], {**s3_env, "FERRY_MODEL_CACHE": str(cache)}, args.redis_url,
-                                       args.timeout_s)  # fills the node cache
-                        if not with_snapshot:
-                            shutil.rmtree(snapshot, ignore_errors=True)  # nothing to restore; the drain saves one
-                        env = {**s3_env, "HF_ENDPOINT": hub.url, "FERRY_MODEL_CACHE": str(cache),
-                               "FERRY_SNAPSHOT_URL": snapshot.as_uri()}
-                        runs.append(start_once(models[source], env, args.redis_url, args.timeout_s))
-                        if source != "s3-cached":
-                            shutil.rmtree(cache, ignore_errors=True)
-                    starts.append({"source": source, "snapshot": with_snapshot, **_median_run(runs)})
+        with moto_s3(BUCKET) as moto:
+            s3_env = {**moto.env, "FERRY_DTYPE": "float32"}
+            os.environ.update(s3_env)
+            client = s3_client(max_connections=16)
+            for path in tqdm(files, desc="uploading to S3", unit="file"):
+                client.upload_file(str(path), BUCKET, f"{PREFIX}/{path.name}")
+            raw = raw_get_throughput(client, [f"{PREFIX}/{p.name}" for p in files])
+            with HubServer() as hub:
+                hub.add(HUB_REPO, weights)
+                starts = _start_each_source(args, weights, s3_env, hub.url, work)
     finally:
-        moto.stop()
         shutil.rmtree(work, ignore_errors=True)
     return _report(starts, model_bytes, raw, args.weights_dtype)
 
 
-def _bfloat16_copy(weights: Path, directory: Path) -> Path:
+def _start_each_source(args: argparse.Namespace, weights: Path, s3_env: dict[str, str], hub_url: str,
+                       work: Path) -> list[dict]:
+    """The median start of each source in `args.sources`, without and with a snapshot."""
+    models = {"local": str(weights), "s3": f"s3://{BUCKET}/{PREFIX}/", "hub": f"hf://{HUB_REPO}",
+              "s3-cached": f"s3://{BUCKET}/{PREFIX}/"}
+    starts = []
+    for source in tqdm(args.sources, desc="sources", unit="source"):
+        snapshot = work / f"snapshot-{source}"
+        for with_snapshot in (False, True):
+            runs = []
+            for _ in range(args.runs):
+                cache = work / ("cache-warm" if source == "s3-cached" else f"cache-{uuid.uuid4().hex[:8]}")
+                if source == "s3-cached" and not cache.exists():
+                    start_once(models[source], {**s3_env, "FERRY_MODEL_CACHE": str(cache)}, args.redis_url,
+                               args.timeout_s)  # fills the node cache
+                if not with_snapshot:
+                    shutil.rmtree(snapshot, ignore_errors=True)  # nothing to restore; the drain saves one
+                env = {**s3_env, "HF_ENDPOINT": hub_url, "FERRY_MODEL_CACHE": str(cache),
+                       "FERRY_SNAPSHOT_URL": snapshot.as_uri()}
+                runs.append(start_once(models[source], env, args.redis_url, args.timeout_s))
+                if source != "s3-cached":
+                    shutil.rmtree(cache, ignore_errors=True)
+            starts.append({"source": source, "snapshot": with_snapshot, **_median_run(runs)})
+    return starts
+
+
+def bfloat16_copy(weights: Path, directory: Path) -> Path:
     """`weights` (a float32 checkpoint) with its safetensors stored in bfloat16 and its config saying so."""
     import torch
     from safetensors.torch import load_file, save_file

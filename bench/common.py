@@ -1,14 +1,20 @@
-"""What every benchmark shares: the machine description, percentiles, and the JSON writer."""
+"""What every benchmark shares: the machine description, percentiles, the JSON writer, and moto's
+S3 server for the suites that read from S3."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
+import socket
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -80,3 +86,51 @@ def to_json(payload: dict) -> str:
     return _NUMBER_LIST.sub(
         lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", json.dumps(payload, indent=2)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class MotoS3:
+    """moto's S3 server on this machine, as `moto_s3` started it."""
+
+    endpoint_url: str  # http://127.0.0.1:<port>
+    env: dict[str, str]  # what Ferry (this process or a worker subprocess) needs to reach it: endpoint, credentials
+
+
+@contextmanager
+def moto_s3(*buckets: str) -> Iterator[MotoS3]:
+    """moto's S3 server on a free local port with `buckets` created, for the block. Its `env`
+    (FERRY_S3_ENDPOINT_URL, fake credentials, region) is set in os.environ for the block, so
+    `s3_client()` here reaches it, and given to pass on to subprocesses; werkzeug's line per
+    request is silenced (it would bury the progress bars)."""
+    from moto.server import ThreadedMotoServer
+
+    from ferry.worker.common.objectstore import s3_client
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    moto = MotoS3(f"http://127.0.0.1:{port}", {
+        "FERRY_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    before = {key: os.environ.get(key) for key in moto.env}
+    os.environ.update(moto.env)
+    server.start()
+    try:
+        client = s3_client()
+        for bucket in buckets:
+            client.create_bucket(Bucket=bucket)
+        yield moto
+    finally:
+        server.stop()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -60,7 +60,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -71,7 +70,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from bench.common import percentiles, write_result
+from bench.common import moto_s3, percentiles, write_result
 from bench.model_families import family_model
 from bench.models import SMOLLM2_135M
 from ferry.worker.common.objectstore import s3_client
@@ -250,12 +249,6 @@ def _stats(llm) -> dict:
 # --- 2. cold adapter from S3 ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _first_token_s(llm, request_id: str, prompt: list[int], lora) -> float:
     """Seconds from add_request to the step that returns the request's first token (it then runs
     to its end, one more token)."""
@@ -273,16 +266,8 @@ def _first_token_s(llm, request_id: str, prompt: list[int], lora) -> float:
 
 
 def bench_cold(model: Path, args: argparse.Namespace, work: Path, bar: tqdm) -> dict:
-    from moto.server import ThreadedMotoServer
-    port = _free_port()
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per GET would bury the progress bars
-    moto.start()
-    os.environ.update({"FERRY_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
-    try:
+    with moto_s3(BUCKET):
         client = s3_client()
-        client.create_bucket(Bucket=BUCKET)
         for k in range(args.cold_repeats):
             bar.set_postfix_str(f"cold: uploading adapter {k}")
             local = write_adapter(work / f"cold-{k}", args.layers, TARGET_SETS["all7"], args.rank, seed=5000 + k)
@@ -302,8 +287,6 @@ def bench_cold(model: Path, args: argparse.Namespace, work: Path, bar: tqdm) -> 
                            "base_s": _first_token_s(llm, f"base-{k}", base, None)})
         stats = _stats(llm)
         llm.close()
-    finally:
-        moto.stop()
     medians = {key: round(statistics.median(r[key] for r in rounds), 4) for key in rounds[0]}
     bar.update()
     return {"ttft_median_s": medians, "rounds": [{k: round(v, 4) for k, v in r.items()} for r in rounds],

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import shutil
@@ -42,8 +41,8 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from bench.common import percentiles, write_result
-from bench.lora import TARGET_SETS, _free_port, write_adapter
+from bench.common import moto_s3, percentiles, write_result
+from bench.lora import TARGET_SETS, write_adapter
 from bench.model_families import family_model
 from bench.models import SMOLLM2_135M
 from ferry.worker.common.objectstore import s3_client
@@ -193,7 +192,6 @@ def run_mode(fleet: Fleet, args: argparse.Namespace, jobs: list[tuple[str, list[
 
 def _upload(args: argparse.Namespace, work: Path) -> None:
     client = s3_client()
-    client.create_bucket(Bucket=BUCKET)
     for k in range(args.adapters):
         local = write_adapter(work / f"adapter-{k}", args.layers, TARGET_SETS["all7"], args.rank, seed=7000 + k)
         for path in local.iterdir():
@@ -214,33 +212,24 @@ def summary(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moto.server import ThreadedMotoServer
-
     args = _parse(argv)
     model = family_model("llama", args.layers)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-lora-fleet-"))
-    port = _free_port()
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    s3_env = {"FERRY_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-              "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    os.environ.update(s3_env)
     load_before = os.getloadavg()  # this machine is shared: say how busy it was
     jobs = _stream(args)
     modes: dict[str, dict] = {}
-    moto.start()
     try:
-        _upload(args, work)
-        with tqdm(total=len(MODES) * args.jobs, desc="lora fleet", unit="job") as bar:
-            for mode, affinity in MODES.items():
-                bar.set_postfix_str(mode)
-                fleet = Fleet(model, args, work / mode, s3_env, affinity)
-                try:
-                    modes[mode] = run_mode(fleet, args, jobs, bar)
-                finally:
-                    fleet.stop()
+        with moto_s3(BUCKET) as moto:
+            _upload(args, work)
+            with tqdm(total=len(MODES) * args.jobs, desc="lora fleet", unit="job") as bar:
+                for mode, affinity in MODES.items():
+                    bar.set_postfix_str(mode)
+                    fleet = Fleet(model, args, work / mode, moto.env, affinity)
+                    try:
+                        modes[mode] = run_mode(fleet, args, jobs, bar)
+                    finally:
+                        fleet.stop()
     finally:
-        moto.stop()
         shutil.rmtree(work, ignore_errors=True)
     on, off = modes["affinity"], modes["no-affinity"]
     results = {"modes": modes, "affinity_over_no_affinity": {
