@@ -53,6 +53,7 @@ SUITES = {
         Suite("batch", "bench.batch", ("--quick",), needs="redis"),
         Suite("specdec", "bench.specdec", ("--quick",)),
         Suite("cold_start", "bench.cold_start", ("--quick",), needs="redis"),
+        Suite("s3_readers", "bench.s3_readers", ("--runs", "1"), takes_model=False),
         Suite("redis_capacity", "bench.redis_capacity", ("--quick",), needs="redis"),
         Suite("structured", "bench.structured", ("--tokens", "32", "--batches", "1,8")),
         Suite("kernels", "bench.kernels", ("--quick",), needs="cuda", takes_model=False),

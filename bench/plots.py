@@ -386,6 +386,24 @@ def plot_redis_capacity(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "redis_capacity.png")]
 
 
+def plot_s3_readers(data: dict, out_dir: Path) -> list[Path]:
+    """MB/s from S3 to tensors in memory per reader (bench.s3_readers), raw-get (no tensors) the
+    ceiling; each bar labelled with its seconds and the ranged GETs the server answered."""
+    readers = data.get("readers") or {}
+    if not readers:
+        return []
+    names = list(readers)
+    colours = ["tab:gray" if n == "raw-get" else "tab:green" if n.startswith("ferry") else "tab:blue" for n in names]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    bars = ax.bar(names, [readers[n]["bytes_per_s"] / 1e6 for n in names], color=colours)
+    ax.bar_label(bars, labels=[f"{readers[n]['seconds']:.2f} s, {readers[n].get('ranged_gets', 0):.0f} GETs"
+                               for n in names])
+    ax.margins(y=0.12)  # room for the tallest bar's label
+    ax.set_ylabel("MB/s, first S3 call to tensors in memory")
+    ax.set_title(f"S3 readers on moto, {data.get('model', 'model')}", fontsize=10)
+    return [_save(fig, out_dir / "s3_readers.png")]
+
+
 def _get_model(data: dict) -> str:
     return (data.get("settings") or {}).get("model", "model")
 
@@ -413,7 +431,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
         "batch": plot_batch, "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
         "redis_capacity": plot_redis_capacity, "structured": plot_structured, "lora": plot_lora,
-        "lora_fleet": plot_lora_fleet,
+        "lora_fleet": plot_lora_fleet, "s3_readers": plot_s3_readers,
     }
     paths = []
     for suite, data in results.items():

@@ -25,7 +25,7 @@ PLOTS_DIR = REPO / "bench" / "plots"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
                     "quantized_q6_k")
-SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start",
+SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "s3_readers",
                *QUANTIZED_SUITES, "redis_capacity", "model_families", "lora", "lora_fleet")
 
 
@@ -279,6 +279,25 @@ def cold_start_rows(data: dict) -> list[Row]:
                 after_ready(s3), "no snapshot", False)]
 
 
+def s3_readers_rows(data: dict) -> list[Row]:
+    """The worker's S3 reader (ferry-stream: tensors read as their bytes arrive; ferry-boto3 in
+    results from before it) against each runai-model-streamer setting, at 64 MiB GETs against
+    Ferry's reader with 64 MiB ranges where both ran: seconds from the first S3 call to every
+    tensor in memory, in one run on one S3 server (bench.s3_readers)."""
+    readers = data.get("readers") or {}
+    size = f"{(data.get('model_bytes') or 0) / 1e6:.0f} MB"
+    rows = []
+    for name, r in readers.items():
+        suffix = "-64mib" if name.endswith("-64mib") else ""
+        ferry = next((f + suffix for f in ("ferry-stream", "ferry-boto3") if f + suffix in readers), None)
+        if ferry is None:
+            ferry = next((f for f in ("ferry-stream", "ferry-boto3") if f in readers), None)
+        if name.startswith("runai") and ferry in readers:
+            rows.append(Row("s3_readers", f"S3 to tensors in memory (s), {size} of safetensors, {ferry}",
+                            readers[ferry]["seconds"], r.get("seconds"), f"runai-model-streamer ({name})", False))
+    return rows
+
+
 def model_families_rows(data: dict) -> list[Row]:
     """Ferry against transformers `generate` per model family, at batch 1 and the big batch."""
     rows = []
@@ -319,7 +338,8 @@ def lora_fleet_rows(data: dict) -> list[Row]:
 
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
-    "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "model_families": model_families_rows,
+    "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "s3_readers": s3_readers_rows,
+    "model_families": model_families_rows,
     "lora": lora_rows, "lora_fleet": lora_fleet_rows,
     **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
