@@ -206,3 +206,42 @@ def test_an_early_download_of_another_model_is_stopped(llama_dir, s3_bucket, tmp
     assert (taken.result() / "model.safetensors").is_file()
     assert NodeCache(early_cache).entries() == []
     assert [p.name for p in (early_cache / "downloads").iterdir()] == [".locks"]  # nothing half-written
+
+
+def test_a_sharded_checkpoint_streams_shard_by_shard(llama_dir, s3_bucket, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(llama_dir).save_pretrained(sharded, max_shard_size="100KB")
+    for path in llama_dir.iterdir():
+        if not path.name.endswith(".safetensors") and not (sharded / path.name).exists():
+            (sharded / path.name).write_bytes(path.read_bytes())  # tokenizer files
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    for path in sharded.iterdir():
+        s3_client().upload_file(str(path), s3_bucket, f"sharded/{path.name}")
+    streamed = []  # shards the loader opened while the download was still running
+    opened = threading.Event()
+    init, get_range = ArrivingSafetensors.__init__, s3._get_range
+
+    def recorded(self, file):
+        streamed.append(file.final.name)
+        opened.set()
+        init(self, file)
+
+    def last_shard_held(client, bucket, file, *args):
+        if file.name == shards[-1]:  # the download cannot end before the loader opens a shard
+            assert opened.wait(60), "the loader opened no shard while the download ran"
+        return get_range(client, bucket, file, *args)
+
+    monkeypatch.setattr(ArrivingSafetensors, "__init__", recorded)
+    monkeypatch.setattr(s3, "_get_range", last_shard_held)
+    cache = tmp_path / "cache"
+    fetch = BackgroundFetch(parse_ref(f"s3://{s3_bucket}/sharded/"), cache)
+    llm = LLM(str(fetch.entry()), model_cache_dir=str(cache), **ENGINE)
+    fetch.result()
+    assert streamed[0] == shards[0] and set(streamed) <= set(shards)  # in the index's order
+    local = LLM(str(llama_dir), **ENGINE)
+    prompt = "A sharded checkpoint"
+    assert (llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+            == local.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids)
