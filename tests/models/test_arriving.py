@@ -136,6 +136,11 @@ def test_a_failed_download_reaches_the_waiting_reader(tmp_path):
     assert [str(e) for e in errors] == ["s3://b/m/: an object changed during the download"]
     with pytest.raises(ModelSourceError, match="object changed"):
         file.read(0, 8)  # and every later read
+    whole = ArrivingFile(tmp_path / "building", tmp_path / "whole.safetensors", 8)
+    whole.complete()
+    whole.fail(ModelSourceError("s3://b/m/: another file is truncated"))  # the entry goes: no read of it
+    with pytest.raises(ModelSourceError, match="another file is truncated"):
+        whole.read(0, 8)
 
 
 def test_a_corrupt_header_is_a_clear_error(tmp_path):

@@ -55,10 +55,10 @@ class ArrivingFile:
             self._changed.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """The download ended without the file: every reader waiting, and every later one, gets `error`."""
+        """The download failed (this file, or another of the model: the entry is removed either way):
+        every reader waiting, and every later one, gets `error`."""
         with self._changed:
-            if not self._whole:
-                self._error = error
+            self._error = error
             self._changed.notify_all()
 
     def read(self, start: int, end: int) -> bytearray:
