@@ -126,3 +126,20 @@ def test_the_log_level_comes_from_ferry_log_level(clean_env, monkeypatch):
     monkeypatch.setenv("FERRY_LOG_LEVEL", "loud")
     with pytest.raises(ValueError, match="log_level"):
         WorkerSettings()
+
+
+@pytest.mark.parametrize("variables, expected", [
+    ({}, ".ferry/models"),
+    ({"FERRY_MODEL_CACHE": "/node/models"}, "/node/models"),
+    ({"FERRY_MODEL_CACHE_DIR": "/a", "FERRY_MODEL_CACHE": "/b"}, "/a"),
+    ({"FERRY_MODEL_CACHE_DIR": "", "FERRY_MODEL_CACHE": "/b"}, "/b"),  # empty: unset
+])
+def test_the_worker_and_its_early_download_name_the_same_model_cache(clean_env, variables, expected):
+    from ferry.worker.serve import early_start
+
+    for name, value in variables.items():
+        clean_env.setenv(name, value)
+    started = []
+    clean_env.setattr(early_start, "start_early", lambda model, cache_dir, max_bytes: started.append(cache_dir))
+    early_start.start(["--model", "s3://bucket/model/"])
+    assert started == [expected] == [WorkerSettings().engine.model_cache_dir]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ferry.worker.models.sources import DEFAULT_CACHE_DIR
+from ferry.worker.models.sources import DEFAULT_CACHE_DIR, cache_dir_from_env
 from ferry.worker.models.sources.background import BackgroundFetch, start_early
 
 
@@ -24,7 +24,7 @@ def start(argv: list[str]) -> BackgroundFetch | None:
     known, _ = parser.parse_known_args(argv)
     env = {name.upper(): value for name, value in os.environ.items() if value != ""}
     model = known.model or env.get("FERRY_MODEL")
-    cache_dir = env.get("FERRY_MODEL_CACHE_DIR") or env.get("FERRY_MODEL_CACHE") or DEFAULT_CACHE_DIR
+    cache_dir = cache_dir_from_env(env) or DEFAULT_CACHE_DIR
     try:
         max_gb = float(env["FERRY_MODEL_CACHE_MAX_GB"]) if "FERRY_MODEL_CACHE_MAX_GB" in env else None
     except ValueError:

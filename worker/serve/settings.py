@@ -21,7 +21,7 @@ from pydantic_settings import NoDecode, PydanticBaseSettingsSource
 from ferry.worker.common.settings import FerrySettings
 from ferry.worker.engine.config import EngineConfig, SpeculativeConfig
 from ferry.worker.models.bundled import SMOLLM2_SERVED_NAME
-from ferry.worker.models.sources import BadReferenceError, parse_ref
+from ferry.worker.models.sources import BadReferenceError, cache_dir_from_env, parse_ref
 from ferry.worker.protocol.loras import LoraModule, parse_lora_modules
 from ferry.worker.serve.reasoning_parsers import PARSERS as REASONING_PARSERS
 from ferry.worker.serve.tool_parsers import DEFAULT_PARSER, PARSERS
@@ -46,8 +46,8 @@ class _EngineEnvironment(PydanticBaseSettingsSource):
         # An empty variable is an unset one (an image can say FERRY_MODEL= to mean the default).
         engine = {f.name: env[f"{_PREFIX}{f.name.upper()}"] for f in fields(EngineConfig)
                   if f.name != "speculative" and env.get(f"{_PREFIX}{f.name.upper()}", "") != ""}
-        if "model_cache_dir" not in engine and env.get(f"{_PREFIX}MODEL_CACHE", "") != "":
-            engine["model_cache_dir"] = env[f"{_PREFIX}MODEL_CACHE"]  # the documented name; _DIR is the field's
+        if "model_cache_dir" not in engine and cache_dir_from_env(env) is not None:
+            engine["model_cache_dir"] = cache_dir_from_env(env)  # FERRY_MODEL_CACHE, the documented name
         spec_prefix = f"{_PREFIX}SPECULATIVE_"
         spec_names = {f.name.upper(): f.name for f in fields(SpeculativeConfig)}
         unknown = sorted(n for n in env if n.startswith(spec_prefix) and n[len(spec_prefix):] not in spec_names)

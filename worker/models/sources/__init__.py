@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ferry.worker.models.errors import SourceUnreachableError
@@ -53,6 +53,13 @@ def fetch_model(ref: ModelRef, cache_dir: Path, max_bytes: int | None = None, ba
     return _served_path(ref, entry)
 
 
+def cache_dir_from_env(env: Mapping[str, str]) -> str | None:
+    """The node cache an environment names: FERRY_MODEL_CACHE_DIR (the engine field's name), else
+    FERRY_MODEL_CACHE (the documented one); an empty variable is an unset one. None: neither. The
+    worker's settings and its early download (worker/serve/early_start.py) both read it here."""
+    return env.get("FERRY_MODEL_CACHE_DIR") or env.get("FERRY_MODEL_CACHE") or None
+
+
 def cached_entries(cache: NodeCache, ref: ModelRef) -> list[CacheEntry]:
     """The cache's copies of `ref` (any version of it; of its revision when it names one), newest use first."""
     return [e for e in cache.entries() if e.source["source"] == ref.source
@@ -63,5 +70,6 @@ def _served_path(ref: ModelRef, entry: Path) -> Path:
     return entry / ref.path.rsplit("/", 1)[-1] if ref.gguf else entry
 
 
-__all__ = ["DEFAULT_CACHE_DIR", "BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cached_entries",
+__all__ = ["DEFAULT_CACHE_DIR", "BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cache_dir_from_env",
+           "cached_entries",
            "fetch_model", "incoming_files", "parse_ref", "wait_for_file"]
