@@ -45,6 +45,12 @@ def _weight_keys(client, bucket: str, prefix: str) -> list[tuple[str, int]]:
             if o["Key"].endswith(".safetensors")]
 
 
+def _set_range_bytes(s3) -> None:
+    """bench.s3_readers' *-64mib readers: the same reader with larger GETs (its RANGE_BYTES, in this process)."""
+    if "BENCH_S3_RANGE_BYTES" in os.environ:
+        s3.RANGE_BYTES = int(os.environ["BENCH_S3_RANGE_BYTES"])
+
+
 def read_raw_get(bucket: str, prefix: str) -> Read:
     """bench.cold_start's ranged GETs alone (16 in parallel, 16 MiB each, bodies dropped): the ceiling."""
     from bench.cold_start import BUCKET, raw_get_throughput
@@ -71,8 +77,7 @@ def read_ferry_boto3(bucket: str, prefix: str) -> Read:
     from ferry.worker.models.sources.progress import TransferProgress
     from ferry.worker.models.sources.refs import parse_ref
 
-    if "BENCH_S3_RANGE_BYTES" in os.environ:  # bench.s3_readers' ferry-boto3-64mib: the same reader, larger GETs
-        s3.RANGE_BYTES = int(os.environ["BENCH_S3_RANGE_BYTES"])
+    _set_range_bytes(s3)
     with tempfile.TemporaryDirectory(prefix="ferry-s3-read-") as tmp:
         started = time.perf_counter()
         ref = parse_ref(f"s3://{bucket}/{prefix}/")
@@ -107,8 +112,7 @@ def read_ferry_stream(bucket: str, prefix: str) -> Read:
     from ferry.worker.models.sources.background import BackgroundFetch
     from ferry.worker.models.sources.refs import parse_ref
 
-    if "BENCH_S3_RANGE_BYTES" in os.environ:
-        s3.RANGE_BYTES = int(os.environ["BENCH_S3_RANGE_BYTES"])
+    _set_range_bytes(s3)
     with tempfile.TemporaryDirectory(prefix="ferry-s3-stream-") as tmp:
         started = time.perf_counter()
         fetch = BackgroundFetch(parse_ref(f"s3://{bucket}/{prefix}/"), Path(tmp))

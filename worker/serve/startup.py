@@ -3,8 +3,8 @@ adapters (`worker.serve.loras`), the prefix-cache snapshot restored into it, the
 it, and the intake's own prompt renderer.
 
 An hf:// or s3:// model downloads into the node's cache on a thread of its own while the engine is
-built: the engine starts once the configs and tokenizer are in, and its loader waits for each
-weight file as it arrives (worker/models/sources/background.py). The load phases
+built: the engine starts once the configs and tokenizer are in, and its loader reads each tensor
+as its bytes arrive (worker/models/sources/background.py, arriving.py). The load phases
 (`ferry_model_load_seconds`) then overlap: `download` is from the download's start (under `ferry
 worker`, before the worker's imports: worker/serve/early_start.py) until the whole model is in the
 cache; `load` is the engine's construction, from the configs being there (its wait

@@ -71,5 +71,4 @@ def _served_path(ref: ModelRef, entry: Path) -> Path:
 
 
 __all__ = ["DEFAULT_CACHE_DIR", "BadReferenceError", "CacheEntry", "ModelRef", "NodeCache", "cache_dir_from_env",
-           "cached_entries",
-           "fetch_model", "incoming_files", "parse_ref", "wait_for_file"]
+           "cached_entries", "fetch_model", "incoming_files", "parse_ref", "wait_for_file"]
