@@ -23,8 +23,9 @@ Workloads (greedy, EOS ignored, `--tokens` new tokens per request, default 256):
 Reported per system and workload: output tokens/s over the whole run (prefill included), wall
 seconds; per system the resident weight bytes (Ferry: every tensor its model holds, KV cache
 and rotary table excluded; llama.cpp: its model's tensor bytes, `llama_model_size`), and
-ferry-gguf's over the file's tensor bytes; which product kernel ran (int16 on AVX512_VNNI, float32
-on AVX2: `ATEN_CPU_CAPABILITY=avx2` measures the AVX2 build on any x86 machine); whether
+ferry-gguf's over the file's tensor bytes; which product kernel ran (int16 activations on
+AVX512_VNNI's vpdpwssd or AVX2's vpmaddwd, the same floats: `ATEN_CPU_CAPABILITY=avx2` measures the
+AVX2 build on any x86 machine); whether
 ferry-gguf's batch-1 tokens equal ferry-fp32's; and the speedups that bench/README.md quotes.
 Each figure is the best of `--repeats` runs after a short warm-up, the systems taking turns.
 Threads: `--threads` (default 2) for torch and for llama.cpp alike.
@@ -223,16 +224,16 @@ def main(argv: list[str] | None = None) -> None:
 
     file_mb = tensor_bytes(model) / 1e6
     factors["gguf_resident_over_file_tensors_ratio"] = round(results["ferry-gguf"]["weight_mb"] / file_mb, 3)
-    int16 = bool(native.load() and native.load().linear_quantized_int16())
+    vnni = bool(native.load() and native.load().linear_quantized_vnni())
     # One result file per file type and kernel, so the README keeps the Q4_1 rows beside the K-quant ones.
-    suite = "quantized" + (f"_{args.variant.lower()}" if args.variant else "") + ("" if int16 else "_avx2")
+    suite = "quantized" + (f"_{args.variant.lower()}" if args.variant else "") + ("" if vnni else "_avx2")
     path = write_result(
         suite,
         {
             "settings": {"model": model.name, "tokens": args.tokens, "batch": args.batch, "repeats": args.repeats,
                          "threads": args.threads, "prompt": PROMPT},
-            "kernel": "int16 activations (AVX512_VNNI)" if int16 else
-                      f"float32 activations ({torch.backends.cpu.get_cpu_capability()})",
+            "kernel": "int16 activations (AVX512_VNNI)" if vnni else
+                      f"int16 activations ({torch.backends.cpu.get_cpu_capability()})",
             "file": {"tensor_mb": round(file_mb, 1), "matrix_types": dict(tensor_types(model))},
             "results": results,
             "factors": {k: v for k, v in factors.items() if v is not None},

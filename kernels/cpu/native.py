@@ -51,6 +51,7 @@ _SOURCES = [
         "linear_cpu.cpp",
         "quantized_linear_cpu.cpp",
         "quantized_linear_vnni.cpp",
+        "quantized_linear_int16_avx2.cpp",
         "quantized_rows_cpu.cpp",
         "decoder_stack_cpu.cpp",
         "stream_sum_cpu.cpp",

@@ -17,8 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &ferry::linear_packed, "x @ W^T (+ b) with W in packed panels", release());
   m.def("linear_quantized_supported", &ferry::linear_quantized_supported,
         "whether linear_quantized was built (AVX2, F16C)");
-  m.def("linear_quantized_int16", &ferry::linear_quantized_int16,
-        "whether linear_quantized rounds x to int16 per block (AVX512_VNNI) instead of multiplying in float32");
+  m.def("linear_quantized_vnni", &ferry::linear_quantized_vnni,
+        "whether linear_quantized runs on AVX512_VNNI (vpdpwssd) rather than AVX2 (vpmaddwd): the same floats");
   m.def("linear_quantized", &ferry::linear_quantized, "x @ W^T (+ b) with W in GGUF blocks, regrouped into 8-row tiles",
         release());
   m.def("quantized_rows", &ferry::quantized_rows, "rows of a weight in GGUF tiles as float32 (embedding lookup)",

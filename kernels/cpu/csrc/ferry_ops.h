@@ -24,7 +24,7 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
                             const c10::optional<torch::Tensor>& bias);
 bool linear_quantized_supported();
-bool linear_quantized_int16();
+bool linear_quantized_vnni();
 torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
                                int64_t out_features, const c10::optional<torch::Tensor>& bias);
 torch::Tensor quantized_rows(const torch::Tensor& tiles, const std::string& qtype, int64_t out_features,

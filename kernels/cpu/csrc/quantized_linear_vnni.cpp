@@ -58,6 +58,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quantized_avx2.h"
 #include "quantized_tiles.h"
 #include "quantized_unpack_vnni.h"
 
@@ -196,7 +197,7 @@ inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, co
     };
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      const vnni::Scales8 s = vnni::tile_scales<F>(block_header(F, tiles + g * group_stride, b), block_in_unit(F, b));
+      const BlockScales s = block_scales<F>(block_header(F, tiles + g * group_stride, b), block_in_unit(F, b));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xs = _mm256_set1_ps(xscale[r * blocks + b]);

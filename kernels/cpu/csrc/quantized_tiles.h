@@ -102,8 +102,9 @@ inline void dispatch_format(Format f, Fn&& fn) {
   }
 }
 
-#ifdef FERRY_QUANTIZED_VNNI
-// out = x @ W^T (+ bias) with x rounded per block to int16 (quantized_linear_vnni.cpp);
+#ifdef FERRY_QUANTIZED
+// out = x @ W^T (+ bias) with x rounded per block to int16 (quantized_linear_vnni.cpp with
+// AVX512_VNNI, quantized_linear_int16_avx2.cpp without: the same floats);
 // xsum: [M, blocks] float32 block sums of x, or null for Q8_0.
 void linear_int16(Format format, const float* x, int64_t x_stride, int64_t M, const uint8_t* tiles,
                   int64_t num_groups, int64_t blocks, const float* xsum, const float* bias, float* out, int64_t N);

@@ -127,39 +127,15 @@ inline void widen_pair(__m512i w, const HighBits& hb, int c, __m512i& low, __m51
   }
 }
 
-// A block's float factors for its int32 sums: y += scale (xs s) + m xsum; Q6_K: scale for columns
-// 0..15 and scale2 for 16..31 (m unused). Computed alike for 8 rows (`micro`) and 16 (`micro_pairs`),
-// so a row's floats do not depend on the kernel: K scales as gguf's float32 d * sc, m = -(dmin mn).
-struct Scales8 {
-  __m256 scale, m, scale2;
-};
+// A block's float factors for its int32 sums, for two tiles' 16 rows (`micro_pairs`): y += scale
+// (xs s) + m xsum; Q6_K: scale for columns 0..15 and scale2 for 16..31 (m unused). Computed as
+// quantized_avx2.h's block_scales does for 8 rows (`micro`, and the AVX2 kernel), so a row's floats
+// do not depend on the kernel: K scales as gguf's float32 d * sc, m = -(dmin mn).
 struct Scales16 {
   __m512 scale, m, scale2;
 };
 
-inline __m256 halfs8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-
-// header: the block's unit header (block_header), p: block_in_unit.
-template <Format F>
-inline Scales8 tile_scales(const uint8_t* header, int64_t p) {
-  Scales8 s;
-  const __m256 d = halfs8(header);
-  s.scale = s.m = s.scale2 = d;
-  if constexpr (F == Format::kQ4_0) s.m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-  if constexpr (F == Format::kQ5_0) s.m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
-  if constexpr (F == Format::kQ4_1 || F == Format::kQ5_1) s.m = halfs8(header + 16);
-  if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {
-    s.scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(header + 32 + 8 * p))));
-    const __m256 dm = _mm256_mul_ps(halfs8(header + 16), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(header + 96 + 8 * p))));
-    s.m = _mm256_xor_ps(dm, _mm256_set1_ps(-0.f));
-  }
-  if constexpr (F == Format::kQ6_K) {
-    s.scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(header + 16 + 16 * p))));
-    s.scale2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(header + 24 + 16 * p))));
-  }
-  return s;
-}
 
 inline __m512 halfs16(const uint8_t* p, const uint8_t* q) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),

@@ -8,7 +8,7 @@ float32 rounding error, bounded by about sqrt(K) eps sum_k |x_k w_k| for random 
 K <= 1536 here gives ~2e-6 of sum |x w|). The checks allow 1e-5 of sum |x w| per output: a 4x margin
 on that bound (measured: below 2e-7), while a wrong scale, nibble or column is an O(1) error.
 
-Where the kernel runs on AVX512_VNNI it rounds x per 32-column block to int16 (step s = max |x| /
+The kernel (AVX512_VNNI or AVX2 alike) rounds x per 32-column block to int16 (step s = max |x| /
 32767 of the block), which moves each x_k by at most s / 2: the result may then differ by up to
 sum_b s_b / 2 sum_{k in b} |w_k| more (about 1.5e-5 of sum |x w| for Gaussian x), which is added
 to the allowance. A wrong scale, nibble or column is still an O(1) error.
@@ -33,6 +33,7 @@ from ferry.kernels.cpu.quantized import (
     pack_quantized_weight,
     quantize_int8_weight,
 )
+from ferry.kernels.cpu.quantized_formats import dequantize, unpack_tiles
 from tests.gguf_files import random_k_blocks
 
 QTYPES = list(FORMATS)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
@@ -63,20 +64,35 @@ def gguf_weight(out_features: int, in_features: int, qtype: str, seed: int) -> t
     return pack_quantized_weight(torch.from_numpy(raw), qtype, out_features, in_features), dequantized
 
 
-def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | float:
-    """[M, N]: how far rounding x to int16 per block can move x @ W^T (0 where x stays float32)."""
-    if not cpu_native.load().linear_quantized_int16():
-        return 0.0
+def quant_magnitudes(weight: QuantizedWeight | QuantizedParts) -> torch.Tensor:
+    """[N, K] |d q|: what the kernel multiplies x's rounded values by, the block's offset m coming
+    after, times the float32 block sum of x (so |w| for Q8_0 and Q6_K, whose quants are signed;
+    |w - m| for the rest, up to about twice |w| since q runs around the offset)."""
+    if isinstance(weight, QuantizedParts):
+        return torch.cat([quant_magnitudes(part) for part in weight.parts])
+    w = weight.dequantize()
+    if weight.qtype in ("Q8_0", "Q6_K"):
+        return w.abs()
+    fmt = FORMATS[weight.qtype]
+    q, fields = unpack_tiles(weight.tiles, fmt)
+    offset = dequantize(torch.zeros_like(q), fields, fmt)[: weight.out_features]  # w at q = 0: m
+    return (w - offset).abs()
+
+
+def int16_rounding_bound(x: torch.Tensor, magnitudes: torch.Tensor) -> torch.Tensor:
+    """[M, N]: how far rounding x to int16 per block can move the product (magnitudes: |d q|)."""
     blocks = x.shape[1] // 32
     half_step = x.abs().reshape(len(x), blocks, 32).amax(-1) / 32767 / 2  # [M, blocks]
-    return half_step @ weight.abs().reshape(len(weight), blocks, 32).sum(-1).T  # [M, N]
+    return half_step @ magnitudes.reshape(len(magnitudes), blocks, 32).sum(-1).T  # [M, N]
 
 
-def assert_product_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias=None) -> None:
-    expected = torch.nn.functional.linear(x, weight, bias)
-    scale = x.abs() @ weight.abs().T + (0 if bias is None else bias.abs())  # sum_k |x_k w_k| (+ |b|)
+def assert_product_close(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight | QuantizedParts,
+                         bias=None) -> None:
+    dequantized = weight.dequantize()
+    expected = torch.nn.functional.linear(x, dequantized, bias)
+    scale = x.abs() @ dequantized.abs().T + (0 if bias is None else bias.abs())  # sum_k |x_k w_k| (+ |b|)
     error = (got - expected).abs()
-    allowed = RTOL * scale + int16_rounding_bound(x, weight) + 1e-30
+    allowed = RTOL * scale + int16_rounding_bound(x, quant_magnitudes(weight)) * (1 + RTOL) + 1e-30
     assert (error <= allowed).all(), f"worst relative error {(error / scale).max():.3g}"
 
 
@@ -110,7 +126,7 @@ def test_product_matches_dequantized_matmul(qtype, rows, out_features, in_featur
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     got = cpu_native.linear(x, weight, bias)
     assert got.shape == (rows, out_features)
-    assert_product_close(got, x, dequantized, bias)
+    assert_product_close(got, x, weight, bias)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -132,7 +148,7 @@ def test_dispatch_keeps_leading_dims():
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(9))
     got = ops.linear(x, weight)
     assert got.shape == (3, 5, 48)
-    assert_product_close(got.reshape(15, 48), x.reshape(15, 64), dequantized)
+    assert_product_close(got.reshape(15, 48), x.reshape(15, 64), weight)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -155,7 +171,7 @@ def test_int8_weights_are_close_and_multiply_as_their_dequantization():
     relative = (dequantized - weight).norm() / weight.norm()
     assert relative < 6e-3, f"relative Frobenius error {relative:.2e}"
     x = torch.randn(7, 576, generator=gen)
-    assert_product_close(ops.linear(x, quantized), x, dequantized)
+    assert_product_close(ops.linear(x, quantized), x, quantized)
     # The blocks are ggml's Q8_0: gguf's dequantizer reads the same weights from them.
     raw = _raw_q8_0_blocks(quantized)
     reference = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q8_0)
@@ -188,7 +204,7 @@ def test_smollm2_gguf_tensors_multiply_as_gguf_dequantizes_them():
         weight = pack_quantized_weight(torch.from_numpy(blocks), tensor.tensor_type.name, out_features, in_features)
         dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, tensor.tensor_type).copy())
         assert torch.equal(weight.dequantize(), dequantized), name
-        assert_product_close(ops.linear(x[:, :in_features], weight), x[:, :in_features], dequantized)
+        assert_product_close(ops.linear(x[:, :in_features], weight), x[:, :in_features], weight)
     ids = torch.tensor([0, 1, 4999, 1234])
     assert torch.equal(ops.embedding(ids, weight), dequantized[ids])
 
@@ -221,7 +237,7 @@ def test_a_fused_weight_of_mixed_types_multiplies_part_by_part():
     assert torch.equal(fused.dequantize(), dequantized)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(15))
     bias = torch.randn(37, generator=torch.Generator().manual_seed(16))
-    assert_product_close(ops.linear(x, fused, bias), x, dequantized, bias)
+    assert_product_close(ops.linear(x, fused, bias), x, fused, bias)
     with pytest.raises(ValueError, match="share in_features"):
         QuantizedParts((q, gguf_weight(8, 512, "Q4_K", seed=17)[0]))
 
@@ -277,10 +293,10 @@ def _quantized(weight: torch.Tensor, qtype: str):
     return pack_quantized_weight(torch.from_numpy(raw), qtype, *weight.shape)
 
 
-def test_the_int16_product_is_built_exactly_where_the_cpu_has_vnni():
+def test_the_vnni_product_is_built_exactly_where_the_cpu_has_vnni():
     """-mavx512vnni only where /proc/cpuinfo lists avx512_vnni (and torch runs AVX512 code): the
-    cache entry of a machine without it holds the float32-activation kernel."""
+    cache entry of a machine without it holds the AVX2 (vpmaddwd) kernel."""
     with open("/proc/cpuinfo") as cpuinfo:
         flags = next((line.split() for line in cpuinfo if line.startswith("flags")), [])
     expected = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in flags
-    assert cpu_native.load().linear_quantized_int16() == expected
+    assert cpu_native.load().linear_quantized_vnni() == expected
