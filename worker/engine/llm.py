@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -17,6 +18,12 @@ class LLM:
         """`engine_kwargs`: `EngineConfig` fields (`tensor_parallel_size=N` splits the model over N ranks)."""
         self.engine = Engine(model, **engine_kwargs)
         self._next_id = 0
+        # As the worker does after loading (serve/startup.py): what is loaded by now (torch,
+        # transformers, the model) lives as long as the process, so it is kept out of the cyclic
+        # collector, whose full collections would otherwise scan it again and again while
+        # generating (3-5% of a 32-request SmolLM2 run on a CPU, perf).
+        gc.collect()
+        gc.freeze()
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel ranks, if any (`Engine.close`)."""
