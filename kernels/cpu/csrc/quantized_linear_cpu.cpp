@@ -36,6 +36,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
 
 #include "quantized_tiles.h"
 #include "vec_avx2.h"
@@ -107,9 +108,9 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
 #ifdef FERRY_QUANTIZED
   if (M == 0) return out;
   const float* xp = x.data_ptr<float>();
-  const auto xsum = ferry::quantized::scratch<float>(has_offset(format) ? M * blocks : 0);  // [M, blocks]
-  if (has_offset(format)) block_sums(xp, x.stride(0), M, blocks, xsum.get());
-  const float* xsum_ptr = has_offset(format) ? xsum.get() : nullptr;
+  std::vector<float> xsum(has_offset(format) ? M * blocks : 0);  // [M, blocks]
+  if (has_offset(format)) block_sums(xp, x.stride(0), M, blocks, xsum.data());
+  const float* xsum_ptr = has_offset(format) ? xsum.data() : nullptr;
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t groups = tiles.size(0);

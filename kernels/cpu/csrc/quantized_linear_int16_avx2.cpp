@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <vector>
 
 #include "quantized_avx2.h"
 #include "quantized_tiles.h"
@@ -265,16 +266,16 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
   constexpr int G = wide_groups(F);
   const int64_t group_stride = blocks * tile_bytes(F), K = blocks * kBlock;
   at::parallel_for(0, num_groups, G, [&](int64_t begin, int64_t end) {
-    const auto wide = scratch<__m256i>(G * blocks * kWideBlock);  // 32-byte aligned (C++17 aligned new)
+    std::vector<__m256i> wide(G * blocks * kWideBlock);  // 32-byte aligned (C++17 aligned new)
     for (int64_t g = begin; g < end; g += G) {
       const int64_t groups = std::min<int64_t>(G, end - g);
-      for (int64_t i = 0; i < groups; ++i) widen_group<F>(tiles + (g + i) * group_stride, blocks, wide.get() + i * blocks * kWideBlock);
+      for (int64_t i = 0; i < groups; ++i) widen_group<F>(tiles + (g + i) * group_stride, blocks, wide.data() + i * blocks * kWideBlock);
       const int64_t cols = std::min<int64_t>(kRowsPerTile, N - (g + groups - 1) * kRowsPerTile);
       for (int64_t m0 = 0; m0 < M; m0 += kWideRows)
         some_rows<F, kWideRows, G>(std::min<int64_t>(kWideRows, M - m0), groups, tiles + g * group_stride, blocks,
                                    xq + m0 * K, xscale + m0 * blocks, xsum ? xsum + m0 * blocks : nullptr,
                                    bias ? bias + g * kRowsPerTile : nullptr, out + m0 * N + g * kRowsPerTile, N, cols,
-                                   wide.get());
+                                   wide.data());
     }
   });
 }
@@ -283,11 +284,11 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
 
 void linear_int16(Format format, const float* x, int64_t x_stride, int64_t M, const uint8_t* tiles,
                   int64_t num_groups, int64_t blocks, const float* xsum, const float* bias, float* out, int64_t N) {
-  const auto xq = scratch<int16_t>(M * blocks * kBlock);
-  const auto xscale = scratch<float>(M * blocks);
-  quantize_rows(x, x_stride, M, blocks, xq.get(), xscale.get());
+  std::vector<int16_t> xq(M * blocks * kBlock);
+  std::vector<float> xscale(M * blocks);
+  quantize_rows(x, x_stride, M, blocks, xq.data(), xscale.data());
   dispatch_format(format, [&](auto f) {
-    product<decltype(f)::value>(xq.get(), xscale.get(), xsum, M, tiles, num_groups, blocks, bias, out, N);
+    product<decltype(f)::value>(xq.data(), xscale.data(), xsum, M, tiles, num_groups, blocks, bias, out, N);
   });
 }
 #endif

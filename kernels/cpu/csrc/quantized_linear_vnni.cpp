@@ -56,6 +56,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <vector>
 
 #include "quantized_avx2.h"
 #include "quantized_tiles.h"
@@ -110,9 +111,9 @@ inline __m512i quad(const int16_t* xq, int64_t at, int j) {
 }
 
 // One row's quads for quad<true>: [K / 4][32] int16.
-std::unique_ptr<int16_t[]> expand_quads(const int16_t* xq, int64_t K) {
-  auto quads = scratch<int16_t>(8 * K);
-  for (int64_t j = 0; j < K; j += 4) _mm512_storeu_si512(quads.get() + 8 * j, activation_quad(xq + j));
+std::vector<int16_t> expand_quads(const int16_t* xq, int64_t K) {
+  std::vector<int16_t> quads(8 * K);
+  for (int64_t j = 0; j < K; j += 4) _mm512_storeu_si512(quads.data() + 8 * j, activation_quad(xq + j));
   return quads;
 }
 
@@ -390,9 +391,9 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
              int64_t num_groups, int64_t blocks, const float* bias, float* out, int64_t N) {
   const int64_t K = blocks * kBlock;
   if (M == 1) {
-    const auto quads = expand_quads(xq, K);
+    const std::vector<int16_t> quads = expand_quads(xq, K);
     at::parallel_for(0, num_groups, kBatchOneGroups, [&](int64_t begin, int64_t end) {
-      rows_against_groups<F, 1, kBatchOneGroups, true>(tiles, begin, end, blocks, N, quads.get(), xscale, xsum, bias,
+      rows_against_groups<F, 1, kBatchOneGroups, true>(tiles, begin, end, blocks, N, quads.data(), xscale, xsum, bias,
                                                        out, true);
     });
     return;
@@ -416,11 +417,11 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
 
 void linear_int16(Format format, const float* x, int64_t x_stride, int64_t M, const uint8_t* tiles,
                   int64_t num_groups, int64_t blocks, const float* xsum, const float* bias, float* out, int64_t N) {
-  const auto xq = scratch<int16_t>(M * blocks * kBlock);
-  const auto xscale = scratch<float>(M * blocks);
-  quantize_rows(x, x_stride, M, blocks, xq.get(), xscale.get());
+  std::vector<int16_t> xq(M * blocks * kBlock);
+  std::vector<float> xscale(M * blocks);
+  quantize_rows(x, x_stride, M, blocks, xq.data(), xscale.data());
   dispatch_format(format, [&](auto f) {
-    product<decltype(f)::value>(xq.get(), xscale.get(), xsum, M, tiles, num_groups, blocks, bias, out, N);
+    product<decltype(f)::value>(xq.data(), xscale.data(), xsum, M, tiles, num_groups, blocks, bias, out, N);
   });
 }
 #endif

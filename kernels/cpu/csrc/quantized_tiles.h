@@ -5,7 +5,6 @@
 
 #include <torch/extension.h>
 
-#include <memory>
 #include <string>
 #include <type_traits>
 
@@ -101,13 +100,6 @@ inline void dispatch_format(Format f, Fn&& fn) {
     case Format::kQ5_K: fn(std::integral_constant<Format, Format::kQ5_K>{}); break;
     case Format::kQ6_K: fn(std::integral_constant<Format, Format::kQ6_K>{}); break;
   }
-}
-
-// Per-call scratch left uninitialized (every element is written before it is read): a std::vector
-// zero-fills it first, a memset that was ~1% of a 32-request decode step.
-template <typename T>
-inline std::unique_ptr<T[]> scratch(int64_t n) {
-  return std::unique_ptr<T[]>(new T[n]);
 }
 
 #ifdef FERRY_QUANTIZED
