@@ -59,6 +59,7 @@ SUITES = {
         Suite("kernels", "bench.kernels", ("--quick",), needs="cuda", takes_model=False),
         Suite("linear_cpu", "bench.linear_cpu", ("--rows", "1,32,512", "--repeats", "2"), takes_model=False),
         Suite("quantized_linear", "bench.quantized_linear", ("--rows", "1,32", "--repeats", "2"), takes_model=False),
+        Suite("attention_cpu", "bench.attention_cpu", ("--repeats", "5"), takes_model=False),
         Suite("quantized", "bench.quantized", ("--quick",), takes_model=False),
         Suite("tensor_parallel", "bench.tensor_parallel", ("--quick",), takes_model=False),
         Suite("model_families", "bench.model_families", ("--quick",), takes_model=False),

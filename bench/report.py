@@ -204,7 +204,8 @@ def quantized_rows(data: dict) -> list[Row]:
     big = f"batch{_get(data, 'settings', 'batch')}"
     model = str(_get(data, "settings", "model") or "")
     kind = model.removesuffix(".gguf").rsplit(".", 1)[-1] if model.count(".") >= 2 else "Q4_1"
-    kind += " GGUF" + (" (AVX2 kernels)" if str(data.get("kernel", "")).startswith("float32") else "")
+    kernel = str(data.get("kernel", ""))  # "int16 activations (AVX512_VNNI)", "... (AVX2)", or before: "float32 ..."
+    kind += " GGUF" + (" (AVX2 kernels)" if kernel.startswith("float32") or kernel.endswith("(AVX2)") else "")
     gguf, fp32 = results.get("ferry-gguf", {}), results.get("ferry-fp32", {})
     llama = _get(results, "llama.cpp", "batch1", "tokens_per_s")
     rows = [

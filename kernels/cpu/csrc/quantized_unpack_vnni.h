@@ -1,7 +1,8 @@
 // Register-level helpers of quantized_linear_vnni.cpp for the 5- and 6-bit formats and the K-quants:
-// the high quant bits merged into the int16 lanes vpdpwssd reads, and each block's 8 or 16 rows'
-// float scales. Shapes follow that file: in `micro` a zmm holds 8 rows x columns (c, c+1) in dwords
-// 0..7 and (c+2, c+3) in dwords 8..15; in `micro_pairs` 16 rows (two groups) x (c, c+1).
+// the high quant bits merged into the int16 lanes vpdpwssd reads, and each block's 16 rows' float
+// scales (8 rows: quantized_avx2.h's block_scales). Shapes follow that file: in `micro` a zmm
+// holds 8 rows x columns (c, c+1) in dwords 0..7 and (c+2, c+3) in dwords 8..15; in `micro_pairs`
+// 16 rows (two groups) x (c, c+1).
 #pragma once
 
 #include <immintrin.h>
