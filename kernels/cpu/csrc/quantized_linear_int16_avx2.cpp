@@ -2,13 +2,16 @@
 // units: quantized_linear_vnni.cpp's product for CPUs without AVX512_VNNI (AVX2-only cloud CPUs,
 // AVX-512 parts before Ice Lake). The same rounding of x to int16 per 32-column block, the same
 // exact int32 block sums, folded into float32 in the same order: the same floats as the VNNI
-// kernel, bit for bit, so a model gives the same tokens on either kind of CPU.
+// kernel, bit for bit (tests/kernels/cpu/test_quantized_avx2.py compares the two builds).
 //
 // Why integers here too: AVX2 has no vpdpwssd, but vpmaddwd multiplies 16 int16 pairs into 8
-// int32 lanes and a vpaddd adds them up: 16 multiply-adds in 2 instructions, against 8 in one FMA
-// on floats, and the weights widen to int16 (vpmovzxbw, and / shift) instead of to floats (a
-// vpmovzxbd and a cvtdq2ps per 8). The float32-activation product this replaced ran a 32-row step
-// of SmolLM2's Q4_K_M slower than the float32 weights did (0.79x; bench/README.md).
+// int32 lanes and a vpaddd adds them up: 16 multiply-adds in 2 instructions, as many per
+// instruction as an FMA on floats, but the weights widen to int16 (vpmovzxbw, and / shift) instead
+// of to floats (a vpmovzxbd and a cvtdq2ps per 8), and Intel cores issue two vpmaddwd a cycle.
+// The float32-activation product this replaced ran a 32-row step of SmolLM2's Q4_K_M at 0.79x the
+// float32 weights' rate; this one runs SmolLM2's projections 1.14-1.35x faster than it at 32 rows
+// and as fast at batch 1 (Zen 4, where one thread stays near 52 GMAC/s however it is blocked:
+// the integer units bound it; bench/README.md).
 //
 // Register use: a ymm of weights is one tile's 8 rows at a column pair (c, c+1), row i in dword i,
 // so each row of x contributes one dword broadcast (x_c, x_c+1) from memory and a lane's int32
@@ -266,10 +269,13 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
   constexpr int G = wide_groups(F);
   const int64_t group_stride = blocks * tile_bytes(F), K = blocks * kBlock;
   at::parallel_for(0, num_groups, G, [&](int64_t begin, int64_t end) {
-    std::vector<__m256i> wide(G * blocks * kWideBlock);  // 32-byte aligned (C++17 aligned new)
+    // 32-byte aligned (C++17 aligned new). Zero-filled: left uninitialized (new[]), the 32-row pass
+    // ran 1.4x slower on Zen 4, for a reason not found.
+    std::vector<__m256i> wide(G * blocks * kWideBlock);
     for (int64_t g = begin; g < end; g += G) {
       const int64_t groups = std::min<int64_t>(G, end - g);
-      for (int64_t i = 0; i < groups; ++i) widen_group<F>(tiles + (g + i) * group_stride, blocks, wide.data() + i * blocks * kWideBlock);
+      for (int64_t i = 0; i < groups; ++i)
+        widen_group<F>(tiles + (g + i) * group_stride, blocks, wide.data() + i * blocks * kWideBlock);
       const int64_t cols = std::min<int64_t>(kRowsPerTile, N - (g + groups - 1) * kRowsPerTile);
       for (int64_t m0 = 0; m0 < M; m0 += kWideRows)
         some_rows<F, kWideRows, G>(std::min<int64_t>(kWideRows, M - m0), groups, tiles + g * group_stride, blocks,
