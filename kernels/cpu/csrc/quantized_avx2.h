@@ -99,5 +99,17 @@ inline BlockScales block_scales(const uint8_t* header, int64_t p) {
   return s;
 }
 
+// A tile's 8 output rows (plus bias) into out; only the first `cols` where the matrix ends.
+inline void store_tile_rows(__m256 v, float* out, const float* bias, int64_t cols) {
+  if (cols < kRowsPerTile) {
+    alignas(32) float lanes[kRowsPerTile];
+    _mm256_store_ps(lanes, v);
+    for (int64_t i = 0; i < cols; ++i) out[i] = lanes[i] + (bias ? bias[i] : 0.f);
+    return;
+  }
+  if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+  _mm256_storeu_ps(out, v);
+}
+
 }  // namespace ferry::quantized
 #endif

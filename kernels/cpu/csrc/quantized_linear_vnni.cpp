@@ -210,19 +210,9 @@ inline void micro(const uint8_t* tiles, int64_t group_stride, int64_t blocks, co
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      float* o = out + r * out_stride + g * kRowsPerTile;
-      const float* bg = bias ? bias + g * kRowsPerTile : nullptr;
-      __m256 v = total[r][g];
-      if (g == G - 1 && cols < kRowsPerTile) {
-        alignas(32) float lanes[kRowsPerTile];
-        _mm256_store_ps(lanes, v);
-        for (int64_t i = 0; i < cols; ++i) o[i] = lanes[i] + (bg ? bg[i] : 0.f);
-        continue;
-      }
-      if (bg) v = _mm256_add_ps(v, _mm256_loadu_ps(bg));
-      _mm256_storeu_ps(o, v);
-    }
+    for (int g = 0; g < G; ++g)
+      store_tile_rows(total[r][g], out + r * out_stride + g * kRowsPerTile, bias ? bias + g * kRowsPerTile : nullptr,
+                      g == G - 1 ? cols : kRowsPerTile);
 }
 
 // 16 bytes of a tile (columns c, c+1 of its 8 rows) and the same of the next group's tile as
