@@ -37,6 +37,7 @@ __all__ = [
     "pinned_backend",
     "linear",
     "pack_experts",
+    "quantized_experts",
     "pack_linear_weight",
     "paged_attention",
     "pack_quantized_weight",
@@ -210,12 +211,21 @@ def add_lora(y, x, lora_a, lora_b, mapping: LoraMapping) -> None:
     reference.add_lora(y, x, lora_a, lora_b, mapping)
 
 
-def pack_experts(weights: torch.Tensor):
+def pack_experts(weights: torch.Tensor, unpacked_ok: bool = False):
     """[num_experts, out, in] packed expert by expert for the cpu backend's product, or None
-    where that backend would not run it (as `pack_linear_weight`)."""
+    where that backend would not run it (as `pack_linear_weight`). `unpacked_ok`: on the cpu
+    backend, where the packed product cannot run them, the experts' matrices as they are
+    instead of None (a layer whose other projection is kept quantized runs the cpu path)."""
     if backend_for(weights) != "cpu":
         return None
-    return _cpu_moe().pack_experts(weights)
+    packed = _cpu_moe().pack_experts(weights)
+    return _cpu_moe().unpacked_experts(weights) if packed is None and unpacked_ok else packed
+
+
+def quantized_experts(weights):
+    """One projection of every expert kept in quantized blocks: a sequence of `QuantizedWeight` /
+    `QuantizedParts` (expert e's matrix at e), as `fused_moe` reads it on the cpu backend."""
+    return _cpu_moe().quantized_experts(weights)
 
 
 @functools.cache

@@ -161,15 +161,17 @@ def stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def random_k_blocks(shape: tuple[int, int], qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """[rows, bytes per row] uint8: random K-quant blocks whose float16 scales are all K_SCALE[qtype]."""
+def random_k_blocks(shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """[..., rows, bytes per row] uint8 (stacked experts: [E, rows, bytes]): random K-quant blocks
+    whose float16 scales are all K_SCALE[qtype]."""
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-    rows, cols = shape
+    *lead, cols = shape
+    rows = int(np.prod(lead))
     blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
     scale = np.full((rows, cols // block_size), K_SCALE[qtype], dtype=np.float16).view(np.uint8)
     for offset in K_SCALE_OFFSETS[qtype]:
         blocks[:, :, offset : offset + 2] = scale.reshape(rows, -1, 2)
-    return blocks.reshape(rows, -1)
+    return blocks.reshape(*lead, -1)
 
 
 def _write_shape(writer: GGUFWriter, config) -> None:

@@ -258,7 +258,8 @@ def test_a_mixture_of_experts_gguf_decodes_as_transformers_on_its_checkpoint(ggu
                                                                              tiny_model_factory, case):
     """The stacked experts become one checkpoint tensor per expert under the family's names, the
     expert counts and widths come from the metadata: an F32 file decodes as transformers on the
-    checkpoint it was written from; a Q8_0 file's experts are its blocks dequantized."""
+    checkpoint it was written from; a Q8_0 file's experts are its blocks dequantized, and kept as
+    those blocks they decode the same."""
     arch, kwargs = MODELS[case]
     hf_dir = tiny_model_factory(arch, **kwargs)
     llm = LLM(str(gguf_file(case, "F32")), model_cache_dir=str(shared_cache), quantization="none", **ENGINE)
@@ -278,10 +279,12 @@ def test_a_mixture_of_experts_gguf_decodes_as_transformers_on_its_checkpoint(ggu
     for name, values in experts.items():
         assert values.shape[0] == 8
         np.testing.assert_array_equal(values, expected[name], err_msg=name)
-    # quantization="gguf": attention kept in its blocks, the experts (3-D in the file) dequantized
+    # quantization="gguf": attention and every expert kept in the file's blocks
     kept = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="gguf", **ENGINE)
     plain = LLM(str(q8), model_cache_dir=str(shared_cache), quantization="none", **ENGINE)
-    assert kept.engine.runner.model.layers[0].self_attn.qkv_proj.weight.qtype == "Q8_0"
+    layer = kept.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.qtype == "Q8_0"
+    assert (layer.mlp.experts.w13.qtype, layer.mlp.experts.w2.qtype) == ("Q8_0", "Q8_0")
     assert [o.token_ids for o in kept.generate(prompts, params, use_tqdm=False)] == [
         o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
 

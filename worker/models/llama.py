@@ -236,7 +236,8 @@ class LlamaModel(nn.Module):
     def keep_quantized(self, weights: Mapping[str, QuantizedWeight]) -> None:
         """Hold these matrices quantized, dropping their float tensors. Names as in
         named_parameters(): a projection's `layers.{i}.<module>.weight`, `embed_tokens.weight`,
-        `lm_head`. Call before pack_weights()."""
+        `lm_head`, and a layer's experts `layers.{i}.mlp.experts.w13` / `.w2` (every expert's matrix,
+        `kernels.quantized_experts`). Call before pack_weights()."""
         for name, weight in weights.items():
             if name == "embed_tokens.weight":
                 self.embed_tokens = QuantizedEmbedding(weight)
@@ -247,7 +248,10 @@ class LlamaModel(nn.Module):
             else:
                 parent, _, child = name.removesuffix(".weight").rpartition(".")
                 module = self.get_submodule(parent)
-                setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
+                if isinstance(module, Experts):  # `layers.{i}.mlp.experts.w13` / `.w2`: every expert's
+                    module.keep(child, weight)
+                else:
+                    setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
 
     @torch.no_grad()
     def pack_weights(self) -> int:

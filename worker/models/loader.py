@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ferry.kernels.ops import QuantizedParts, QuantizedWeight, pack_quantized_weight, quantize_int8_weight
+from ferry.kernels.ops import QuantizedParts, pack_quantized_weight, quantize_int8_weight, quantized_experts
 from ferry.worker.models.bundled import bundled_model_file
 from ferry.worker.models.config import (
     ModelArch,
@@ -372,46 +372,74 @@ def checkpoint_tensors(
             bar.update()
 
 
-def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, QuantizedWeight | QuantizedParts]:
+def gguf_kept_weights(checkpoint: GGUFCheckpoint, arch: ModelArch) -> dict[str, object]:
     """The model's matrices that stay in the file's blocks (KEPT_TYPES), by parameter name. A
     fused parameter (q/k/v, gate/up) qualifies when all its parts are in kept types: one packed
     weight where they share a type, else its parts side by side (`QuantizedParts`: llama.cpp's
-    Q4_K_M stores some layers' v in more bits than q and k). The rest are loaded dequantized."""
+    Q4_K_M stores some layers' v in more bits than q and k). A layer's experts (`mlp.experts.w13`,
+    `.w2`) qualify when every expert's pieces do (`kernels.quantized_experts`). The rest are
+    loaded dequantized."""
     parts: dict[str, dict[str | None, GGUFTensor]] = {}
+    experts: dict[str, dict[int, dict[str | None, GGUFTensor]]] = {}  # target -> expert -> piece -> tensor
     for tensor in checkpoint.tensors:
         mapped = map_name(tensor.name)
-        if mapped is not None and len(tensor.shape) == 2 and not isinstance(mapped[1], ExpertPart):
-            target, part = mapped
+        if mapped is None or len(tensor.shape) != 2:
+            continue
+        target, part = mapped
+        if isinstance(part, ExpertPart):
+            experts.setdefault(target, {}).setdefault(part.expert, {})[part.piece] = tensor
+        else:
             parts.setdefault(target, {})[part] = tensor
     kept = {}
     for target, shards in parts.items():
         order = sorted(shards, key=lambda s: 0 if s is None else _shard_rows(arch, s, target).start)
-        tensors = [shards[s] for s in order]
-        qtypes = {t.qtype for t in tensors}
-        if not qtypes <= KEPT_TYPES:
-            continue
         reorder = bool(arch.rope.rotary_dim) and target.endswith("self_attn.qkv_proj.weight")
-        if reorder and len(tensors) != 1:
+        if reorder and len(order) != 1:
             continue  # separate q/k/v parts under partial rotary: loaded dequantized (no such files yet)
-        if len(qtypes) == 1:
-            blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
-            if reorder:  # Phi-3's fused q/k/v under partial rotary
-                reorder_rotary_rows(blocks, arch)
-            kept[target] = pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
-        else:
-            kept[target] = QuantizedParts(tuple(
-                pack_quantized_weight(raw_blocks(t), t.qtype.name, t.shape[0], t.shape[1]) for t in tensors
-            ))
+        matrix = _kept_matrix([shards[s] for s in order], arch if reorder else None)
+        if matrix is not None:
+            kept[target] = matrix
+    for target, by_expert in experts.items():
+        if sorted(by_expert) != list(range(arch.moe.num_experts)):
+            continue  # not every expert: the loader names what is missing
+        matrices = [_kept_matrix([pieces[p] for p in sorted(pieces, key=lambda p: p == "up")])
+                    for _, pieces in sorted(by_expert.items())]
+        if all(m is not None for m in matrices):
+            kept[target] = quantized_experts(matrices)
     return kept
 
 
-def int8_weights(model: LlamaModel) -> dict[str, QuantizedWeight]:
-    """Every float matrix of the model (projections, embeddings, an untied head) quantized to
-    int8 blocks, except those whose width is not a multiple of the 32-weight block."""
+def _kept_matrix(tensors: list[GGUFTensor], rotary_arch: ModelArch | None = None):
+    """One matrix from these tensors' rows in order, kept in their blocks, or None where a type is
+    not kept. rotary_arch: reorder q/k rows for partial rotary (a fused qkv in one tensor)."""
+    qtypes = {t.qtype for t in tensors}
+    if not qtypes <= KEPT_TYPES:
+        return None
+    if len(qtypes) > 1:
+        return QuantizedParts(tuple(pack_quantized_weight(raw_blocks(t), t.qtype.name, t.shape[0], t.shape[1])
+                                    for t in tensors))
+    blocks = torch.cat([raw_blocks(t) for t in tensors])  # [out, bytes per row]: the parts' rows in order
+    if rotary_arch is not None:  # Phi-3's fused q/k/v under partial rotary
+        reorder_rotary_rows(blocks, rotary_arch)
+    return pack_quantized_weight(blocks, tensors[0].qtype.name, blocks.shape[0], tensors[0].shape[1])
+
+
+_ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # [experts, hidden], [1, hidden]
+
+
+def int8_weights(model: LlamaModel) -> dict[str, object]:
+    """Every float matrix of the model (projections, embeddings, an untied head, each expert's)
+    quantized to int8 blocks, except those whose width is not a multiple of the 32-weight block
+    and the MoE routers (tiny, and a rounded logit can flip a near-tie to another expert:
+    llama.cpp keeps them float too)."""
     kept = {}
     for name, param in model.named_parameters():
-        if param.dim() == 2 and param.shape[1] % 32 == 0:
-            kept[name] = quantize_int8_weight(param)
-        elif param.dim() == 2:
+        if param.dim() not in (2, 3) or name.endswith(_ROUTERS):
+            continue
+        if param.shape[-1] % 32:
             log.info("int8: %s %s stays float (width not a multiple of 32)", name, list(param.shape))
+        elif param.dim() == 2:
+            kept[name] = quantize_int8_weight(param)
+        else:  # a layer's stacked experts [E, out, in]
+            kept[name] = quantized_experts([quantize_int8_weight(expert) for expert in param])
     return kept

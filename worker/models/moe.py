@@ -20,8 +20,10 @@ from ferry.worker.models.sharding import Shard
 
 
 class Experts(nn.Module):
-    """Every expert's gated MLP, stacked. `pack()` swaps the float stacks for the cpu backend's
-    per-expert packed matrices (held once, as buffers) where that backend runs them."""
+    """Every expert's gated MLP, stacked. `keep()` holds a projection in quantized blocks (a GGUF
+    file's, or int8 made at load); `pack()` swaps the float stacks left for the cpu backend's
+    per-expert packed matrices where that backend runs them. Either way the bytes are held once,
+    as buffers."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -29,16 +31,32 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     @torch.no_grad()
+    def keep(self, name: str, experts) -> None:
+        """Hold projection `name` ("w13" or "w2") as `experts` (`kernels.quantized_experts`),
+        dropping its float stack. Call before pack()."""
+        if name not in ("w13", "w2"):
+            raise ValueError(f"an experts module holds w13 and w2, not {name!r}")
+        delattr(self, name)
+        self._hold(name, experts)
+
+    @torch.no_grad()
     def pack(self) -> bool:
-        w13, w2 = ops.pack_experts(self.w13), ops.pack_experts(self.w2)
-        if w13 is None or w2 is None:
+        floats = [name for name in ("w13", "w2") if isinstance(getattr(self, name), torch.Tensor)]
+        # A projection kept quantized makes this layer a cpu-path layer: its float one then goes
+        # through the same per-expert product even where no packed product runs it.
+        unpacked_ok = len(floats) < 2
+        packed = {name: ops.pack_experts(getattr(self, name), unpacked_ok) for name in floats}
+        if not packed or any(p is None for p in packed.values()):
             return False
-        del self.w13, self.w2
-        self.w13, self.w2 = w13, w2
-        for name, packed in (("w13", w13), ("w2", w2)):
-            for i, panels in enumerate(packed.held_tensors):  # counted by buffers(), like a weight
-                self.register_buffer(f"{name}_packed_{i}", panels, persistent=False)
+        for name, experts in packed.items():
+            delattr(self, name)
+            self._hold(name, experts)
         return True
+
+    def _hold(self, name: str, experts) -> None:
+        setattr(self, name, experts)
+        for i, held in enumerate(experts.held_tensors):  # counted by buffers(), like a weight
+            self.register_buffer(f"{name}_packed_{i}", held, persistent=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from ferry.kernels import ops, reference
 from ferry.kernels.cpu import moe as cpu_moe
@@ -63,3 +65,35 @@ def test_a_row_is_the_same_alone_and_in_a_batch():
 
 def test_half_precision_experts_are_not_packed():
     assert cpu_moe.pack_experts(torch.zeros(2, 32, 16, dtype=torch.bfloat16)) is None
+
+
+def _quantized(weights: torch.Tensor, qtype: str) -> list:  # [E, out, in] -> each expert in qtype's blocks
+    kind = GGMLQuantizationType[qtype]
+    return [ops.pack_quantized_weight(torch.from_numpy(quantize(w.numpy(), kind)), qtype, *w.shape) for w in weights]
+
+
+def test_quantized_experts_match_the_reference_on_their_dequantized_weights():
+    """Experts kept in blocks (a GGUF's): w13 with each expert's gate and up rows in two types
+    side by side, w2 in one; then a float w2 beside quantized w13 (a file whose down experts are
+    in a type the product cannot read). The product rounds x per block to int16, hence the bound."""
+    x, w13, w2, weights, ids = _case(33, 64, 64, 8, 2, 8, seed=9)
+    gate_up = [ops.QuantizedParts((gate, up)) for gate, up in zip(_quantized(w13[:, :64], "Q8_0"),
+                                                                  _quantized(w13[:, 64:], "Q4_0"), strict=True)]
+    q13, q2 = ops.quantized_experts(gate_up), ops.quantized_experts(_quantized(w2, "Q5_1"))
+    assert (q13.qtype, q2.qtype, q13.out_features, q2.in_features) == ("Q8_0+Q4_0", "Q5_1", 128, 64)
+    assert len(q13.held_tensors) == 16 and len(q2.held_tensors) == 8
+    deq13 = torch.stack([e.dequantize() for e in q13.experts])
+    deq2 = torch.stack([e.dequantize() for e in q2.experts])
+    expected = reference.fused_moe(x, deq13, deq2, weights, ids)
+    torch.testing.assert_close(ops.fused_moe(x, q13, q2, weights, ids), expected, rtol=2e-3, atol=2e-3)
+    float2 = cpu_moe.pack_experts(w2)
+    torch.testing.assert_close(ops.fused_moe(x, q13, float2, weights, ids),
+                               reference.fused_moe(x, deq13, w2, weights, ids), rtol=2e-3, atol=2e-3)
+    alone = ops.fused_moe(x[4:5], q13, q2, weights[4:5], ids[4:5])
+    assert torch.equal(alone[0], ops.fused_moe(x, q13, q2, weights, ids)[4])  # a row's floats, whatever its batch
+
+
+def test_quantized_experts_of_different_shapes_are_refused():
+    experts = _quantized(torch.randn(2, 32, 64), "Q8_0") + _quantized(torch.randn(1, 16, 64), "Q8_0")
+    with pytest.raises(ValueError, match="share one shape"):
+        ops.quantized_experts(experts)
