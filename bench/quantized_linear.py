@@ -38,10 +38,14 @@ HEAD = (SMOLLM2_135M["hidden_size"], SMOLLM2_135M["vocab_size"])  # (in, out)
 
 
 def random_quantized(out_features: int, in_features: int, qtype: str, gen: torch.Generator):
-    """Random GGUF blocks whose fp16 scales (d, and m for Q4_1) are small normal numbers."""
-    block_bytes, fields = FORMATS[qtype]
+    """Random GGUF blocks of a 32-weight type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) whose fp16 scales (d,
+    and m for Q4_1 and Q5_1, first in every block) are small normal numbers."""
+    fmt = FORMATS[qtype]
+    if fmt.columns != BLOCK:
+        raise ValueError(f"{qtype}: random blocks are made for the 32-weight types only")
+    fields = 2 if qtype in ("Q4_1", "Q5_1") else 1
     blocks = in_features // BLOCK
-    raw = torch.randint(0, 256, (out_features, blocks, block_bytes), dtype=torch.uint8, generator=gen)
+    raw = torch.randint(0, 256, (out_features, blocks, fmt.gguf_bytes), dtype=torch.uint8, generator=gen)
     scales = (torch.randn(out_features, blocks, fields, generator=gen) * 0.01).to(torch.float16)
     raw[..., : 2 * fields] = scales.view(torch.uint8)
     return pack_quantized_weight(raw.reshape(out_features, -1), qtype, out_features, in_features)

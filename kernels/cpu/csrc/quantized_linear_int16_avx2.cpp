@@ -235,18 +235,21 @@ void one_row(const uint8_t* tiles, int64_t begin, int64_t end, int64_t blocks, i
 }
 
 // `rows` (<= R) rows of x against `groups` (<= G) widened groups: the largest micro that fits.
+// next: the G groups after these, prefetched into L2 over the pass (null: none).
 template <Format F, int R, int G>
 void some_rows(int64_t rows, int64_t groups, const uint8_t* tiles, int64_t blocks, const int16_t* xq,
                const float* xscale, const float* xsum, const float* bias, float* out, int64_t N, int64_t cols,
-               const __m256i* wide) {
+               const __m256i* wide, const uint8_t* next) {
   if constexpr (R > 1) {
-    if (rows < R) return some_rows<F, R - 1, G>(rows, groups, tiles, blocks, xq, xscale, xsum, bias, out, N, cols, wide);
+    if (rows < R)
+      return some_rows<F, R - 1, G>(rows, groups, tiles, blocks, xq, xscale, xsum, bias, out, N, cols, wide, next);
   }
   if constexpr (G > 1) {
-    if (groups < G) return some_rows<F, R, G - 1>(rows, groups, tiles, blocks, xq, xscale, xsum, bias, out, N, cols, wide);
+    if (groups < G)
+      return some_rows<F, R, G - 1>(rows, groups, tiles, blocks, xq, xscale, xsum, bias, out, N, cols, wide, next);
   }
   micro<F, R, G, true>(tiles, blocks * tile_bytes(F), blocks, xq, blocks * kBlock, xscale, xsum, bias, out, N, cols,
-                       nullptr, wide);
+                       next, wide);
 }
 
 template <Format F>
@@ -269,11 +272,14 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
       for (int64_t i = 0; i < groups; ++i)
         widen_group<F>(tiles + (g + i) * group_stride, blocks, wide.data() + i * blocks * kWideBlock);
       const int64_t cols = std::min<int64_t>(kRowsPerTile, N - (g + groups - 1) * kRowsPerTile);
+      // The first pass over the rows also streams the next groups' tiles into L2, so their
+      // widening reads them from there.
+      const uint8_t* next = groups == G && g + 2 * G <= end ? tiles + (g + G) * group_stride : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kWideRows)
         some_rows<F, kWideRows, G>(std::min<int64_t>(kWideRows, M - m0), groups, tiles + g * group_stride, blocks,
                                    xq + m0 * K, xscale + m0 * blocks, xsum ? xsum + m0 * blocks : nullptr,
                                    bias ? bias + g * kRowsPerTile : nullptr, out + m0 * N + g * kRowsPerTile, N, cols,
-                                   wide.data());
+                                   wide.data(), m0 == 0 ? next : nullptr);
     }
   });
 }

@@ -236,16 +236,24 @@ inline __m512i broadcast_pair(const int16_t* x) {  // (x[0], x[1]) in every dwor
 // many-rows kernel. Against `micro`, a zmm of weights holds 16 rows x 2 columns instead of 8 rows
 // x 4, so the activations need no shuffle (a dword broadcast from memory), and a lane's int32
 // sum is a whole row's: no halves to add per block. cols: valid output rows of the last pair (<= 16).
+// next, next_bytes: tiles this thread reads after these, prefetched into L2 a block's share at a
+// time (as `micro`), so the next groups stream in while these multiply.
 template <Format F, int R, int P>
 inline void micro_pairs(const uint8_t* tiles, int64_t group_stride, int64_t blocks, const int16_t* xq, int64_t K,
                         const float* xscale, const float* xsum, const float* bias, float* out, int64_t out_stride,
-                        int64_t cols) {
+                        int64_t cols, const uint8_t* next = nullptr, int64_t next_bytes = 0) {
   __m512 total[R][P];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) total[r][p] = _mm512_setzero_ps();
+  const int64_t share = next ? (next_bytes + blocks - 1) / blocks : 0;  // bytes of `next` per block
   for (int64_t b = 0; b < blocks; ++b) {
+    if (next) {
+      const char* ahead = reinterpret_cast<const char*>(next) + b * share;
+      const int64_t stop = std::min(share, next_bytes - b * share);
+      for (int64_t line = 0; line < stop; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    }
     const uint8_t* plane[P];  // each pair's first group's; its second group's is group_stride further
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) plane[p] = block_plane(F, tiles + 2 * p * group_stride, b);
@@ -346,18 +354,23 @@ constexpr int batch_rows(Format f) { return quant_bits(f) == 4 ? 4 : 8; }
 
 // Rows [0, R) against groups [group, end): pairs of groups P at a time, a last pair alone, and a
 // last odd group with `micro`.
+// next_groups: groups after `end` to prefetch while the last full step of pairs runs.
 template <Format F, int R>
 void rows_against_pairs(const uint8_t* tiles, int64_t group, int64_t end, int64_t blocks, int64_t N,
-                        const int16_t* xq, const float* xscale, const float* xsum, const float* bias, float* out) {
+                        const int16_t* xq, const float* xscale, const float* xsum, const float* bias, float* out,
+                        int64_t next_groups = 0) {
   const int64_t group_stride = blocks * tile_bytes(F), K = blocks * kBlock;
   int64_t g = group;
   const auto valid_rows = [&](int64_t last_group) {  // output rows of the pair starting at last_group
     return std::min<int64_t>(2 * kRowsPerTile, N - last_group * kRowsPerTile);
   };
   constexpr int P = batch_pairs(F);
-  for (; g + 2 * P <= end; g += 2 * P)
+  for (; g + 2 * P <= end; g += 2 * P) {
+    const bool last = g + 4 * P > end;
     micro_pairs<F, R, P>(tiles + g * group_stride, group_stride, blocks, xq, K, xscale, xsum,
-                         bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, valid_rows(g + 2 * P - 2));
+                         bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, valid_rows(g + 2 * P - 2),
+                         last && next_groups ? tiles + end * group_stride : nullptr, next_groups * group_stride);
+  }
   for (; g + 2 <= end; g += 2)
     micro_pairs<F, R, 1>(tiles + g * group_stride, group_stride, blocks, xq, K, xscale, xsum,
                          bias ? bias + g * kRowsPerTile : nullptr, out + g * kRowsPerTile, N, valid_rows(g));
@@ -368,12 +381,13 @@ void rows_against_pairs(const uint8_t* tiles, int64_t group, int64_t end, int64_
 template <Format F, int R>
 void some_rows_against_pairs(int64_t rows, const uint8_t* tiles, int64_t group, int64_t end, int64_t blocks,
                              int64_t N, const int16_t* xq, const float* xscale, const float* xsum, const float* bias,
-                             float* out) {
+                             float* out, int64_t next_groups) {
   if constexpr (R > 1) {
     if (rows < R)
-      return some_rows_against_pairs<F, R - 1>(rows, tiles, group, end, blocks, N, xq, xscale, xsum, bias, out);
+      return some_rows_against_pairs<F, R - 1>(rows, tiles, group, end, blocks, N, xq, xscale, xsum, bias, out,
+                                               next_groups);
   }
-  rows_against_pairs<F, R>(tiles, group, end, blocks, N, xq, xscale, xsum, bias, out);
+  rows_against_pairs<F, R>(tiles, group, end, blocks, N, xq, xscale, xsum, bias, out, next_groups);
 }
 
 template <Format F>
@@ -393,12 +407,15 @@ void product(const int16_t* xq, const float* xscale, const float* xsum, int64_t 
   // over the rows.
   constexpr int64_t step = 2 * batch_pairs(F);
   constexpr int rows = batch_rows(F);
+  // The next step's tiles are prefetched during the first rows' pass over these (the later
+  // passes read these from cache): the memory stream overlaps the products.
   at::parallel_for(0, num_groups, step, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += step) {
-      const int64_t stop = std::min(end, g + step);
+      const int64_t stop = std::min(end, g + step), next_groups = std::min(end, stop + step) - stop;
       for (int64_t m0 = 0; m0 < M; m0 += rows)
         some_rows_against_pairs<F, rows>(std::min<int64_t>(rows, M - m0), tiles, g, stop, blocks, N, xq + m0 * K,
-                                         xscale + m0 * blocks, xsum ? xsum + m0 * blocks : nullptr, bias, out + m0 * N);
+                                         xscale + m0 * blocks, xsum ? xsum + m0 * blocks : nullptr, bias, out + m0 * N,
+                                         m0 == 0 ? next_groups : 0);
     }
   });
 }
