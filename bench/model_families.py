@@ -31,9 +31,16 @@ Each system gets a warm-up run of 8 tokens at each batch first.
 Threads: `--threads` (default 2). The issue's goal: the MoE shape (mixtral: 8 experts, top-2) at
 batch 32 at least 5x transformers; `goal` in the JSON says whether it was met.
 
+`--quantization int8`: Ferry holds every matrix, the experts included, in int8 blocks (Q8_0,
+`LLM(quantization="int8")`), and both systems read the checkpoint rounded to those blocks
+(every matrix through Q8_0 and back, saved under <family>-<layers>l-random-int8): transformers
+multiplies the very values Ferry's blocks hold, in float32, as it does with a GGUF file
+(`gguf_file=` dequantizes). Rounding is idempotent, so Ferry's blocks are the rounded ones.
+
     python -m bench.model_families                   # 12 layers, 64 tokens, batch 1 and 32, 3 repeats
     python -m bench.model_families --quick           # 2 layers, 16 tokens, batch 1 and 8, 1 repeat
     python -m bench.model_families --families mixtral,qwen3_moe --layers 30
+    python -m bench.model_families --families mixtral --quantization int8
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (the best counts)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2 layers, 16 tokens, batch 8, 1 repeat")
+    parser.add_argument("--quantization", choices=("none", "int8"), default="none",
+                        help="int8: Ferry in Q8_0 blocks, both systems on the checkpoint rounded to them")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.tokens, args.batch, args.repeats = 2, 16, 8, 1
@@ -86,12 +95,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def family_model(family: str, layers: int, root: Path | str = ".ferry/bench-models") -> Path:
+def family_model(family: str, layers: int, root: Path | str = ".ferry/bench-models", rounded: bool = False) -> Path:
     """The family's checkpoint at the SmolLM2-135M-sized shape with `layers` layers, random
-    weights (float32), made once and reused."""
-    directory = Path(root) / f"{family}-{layers}l-random"
+    weights (float32), made once and reused. rounded: every matrix rounded to int8 blocks."""
+    directory = Path(root) / f"{family}-{layers}l-random{'-int8' if rounded else ''}"
     if (directory / "config.json").is_file():
         return directory
+    if rounded:
+        return _rounded_copy(family_model(family, layers, root), directory)
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
@@ -100,6 +111,33 @@ def family_model(family: str, layers: int, root: Path | str = ".ferry/bench-mode
     model = getattr(transformers, model_cls)(config).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
+    return directory
+
+
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+
+
+def _rounded_copy(source: Path, directory: Path) -> Path:
+    """`source` with every matrix (the last dimension a multiple of 32; stacked experts too) rounded
+    through Ferry's int8 blocks (`quantize_int8_weight`, row by row) and back to float32; the MoE
+    routers stay float, as `quantization="int8"` keeps them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ferry.kernels.ops import quantize_int8_weight
+
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    for path in sorted(staging.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if tensor.dim() >= 2 and tensor.shape[-1] % 32 == 0 and not name.endswith(_ROUTERS):
+                rows = tensor.reshape(-1, tensor.shape[-1])
+                tensors[name] = quantize_int8_weight(rows).dequantize().reshape(tensor.shape).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+    staging.rename(directory)
     return directory
 
 
@@ -127,13 +165,13 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
     from ferry.worker.engine import LLM
 
     bar.set_postfix_str(f"{family}: weights")
-    path = family_model(family, args.layers)
+    path = family_model(family, args.layers, rounded=args.quantization == "int8")
     kv_bytes = 2 * args.batch * (args.prompt + args.tokens + 32) * args.layers * 2 * 3 * 64 * 4  # twice the need
     llm = LLM(str(path), max_model_len=args.prompt + args.tokens + 32, kv_cache_bytes=kv_bytes,
-              max_num_seqs=max(args.batch, 1))
+              max_num_seqs=max(args.batch, 1), quantization=args.quantization)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation="sdpa").eval()
     fallback = None
-    if family == FALLBACK_GOAL[0]:
+    if family == FALLBACK_GOAL[0] and args.quantization == "none":
         fallback = LLM(str(path), max_model_len=args.prompt + args.tokens + 32, kv_cache_bytes=kv_bytes,
                        max_num_seqs=max(args.batch, 1), model_impl="transformers")
     params = sum(p.numel() for p in hf.parameters())
@@ -223,12 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         fallback_goal = {"family": fallback_family, "batch": args.batch, "target_ratio_over_native": fallback_target,
                          "ratio": ratio, "met": ratio >= fallback_target}
     path = write_result(
-        "model_families",
+        "model_families" if args.quantization == "none" else f"model_families_{args.quantization}",
         {
             "settings": {"families": args.families, "layers": args.layers, "prompt_tokens": args.prompt,
                          "tokens": args.tokens, "batch": args.batch, "repeats": args.repeats,
                          "threads": args.threads, "quick": args.quick,
-                         "dtype": "float32",
+                         "dtype": "float32", "quantization": args.quantization,
                          "shape": {k: SMOLLM2_135M[k] for k in ("hidden_size", "intermediate_size",
                                                                 "num_attention_heads", "num_key_value_heads",
                                                                 "vocab_size", "tie_word_embeddings")},

@@ -26,7 +26,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
                     "quantized_q6_k")
 SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "s3_readers",
-               *QUANTIZED_SUITES, "redis_capacity", "model_families", "lora", "lora_fleet")
+               *QUANTIZED_SUITES, "redis_capacity", "model_families", "model_families_int8", "lora", "lora_fleet")
 
 
 @dataclass
@@ -303,13 +303,16 @@ def model_families_rows(data: dict) -> list[Row]:
     """Ferry against transformers `generate` per model family, at batch 1 and the big batch."""
     rows = []
     layers = _get(data, "settings", "layers")
+    int8 = _get(data, "settings", "quantization") == "int8"
+    suite = "model_families_int8" if int8 else "model_families"
+    ferry = ", Ferry int8 (Q8_0 blocks)" if int8 else ""
     for family, result in (data.get("results") or {}).items():
         for key, figures in result.items():
             if not key.startswith("batch") or not isinstance(figures, dict):
                 continue
-            rows.append(Row("model_families", f"output tok/s, {family} ({layers} layers), batch {key[5:]}",
+            rows.append(Row(suite, f"output tok/s, {family} ({layers} layers){ferry}, batch {key[5:]}",
                             figures.get("ferry_tokens_per_s"), figures.get("transformers_tokens_per_s"),
-                            "transformers generate", True))
+                            "transformers generate (float32, same values)" if int8 else "transformers generate", True))
     return [r for r in rows if r.ferry is not None and r.baseline is not None]
 
 
@@ -340,7 +343,7 @@ def lora_fleet_rows(data: dict) -> list[Row]:
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
     "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "s3_readers": s3_readers_rows,
-    "model_families": model_families_rows,
+    "model_families": model_families_rows, "model_families_int8": model_families_rows,
     "lora": lora_rows, "lora_fleet": lora_fleet_rows,
     **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
