@@ -117,7 +117,8 @@ def test_gguf_blocks_kept_quantized_decode_as_the_dequantized_engine(gguf_path, 
 # Mixture-of-experts files: each layer's stacked experts (ffn_*_exps, [E, rows, cols]) stay in
 # their blocks, expert by expert. Mixtral in one type; Qwen2-MoE on rows of 256 with llama.cpp's
 # Q4_K_M choice for experts in layer 0 (gate/up Q4_K, down Q6_K) and, in layer 1, gate and up in
-# two types (each expert's gate_up as QuantizedParts) beside the file's Q5_0.
+# two types (each expert's gate_up as QuantizedParts) beside down in F16, which the product does
+# not read: those experts are dequantized and packed as float32 beside the kept ones.
 MOE_WIDE = {"hidden_size": 256, "moe_intermediate_size": 256}
 MOE_MIX = {
     "blk.0.ffn_gate_exps.weight": "Q4_K",
@@ -125,10 +126,11 @@ MOE_MIX = {
     "blk.0.ffn_down_exps.weight": "Q6_K",
     "blk.1.ffn_gate_exps.weight": "Q4_K",
     "blk.1.ffn_up_exps.weight": "Q8_0",
+    "blk.1.ffn_down_exps.weight": "F16",
 }
 MOE_CASES = [
     ("mixtral", {}, "Q4_0", None, [("Q4_0", "Q4_0")] * 2),
-    ("qwen2_moe", MOE_WIDE, "Q5_0", MOE_MIX, [("Q4_K", "Q6_K"), ("Q4_K+Q8_0", "Q5_0")]),
+    ("qwen2_moe", MOE_WIDE, "Q5_0", MOE_MIX, [("Q4_K", "Q6_K"), ("Q4_K+Q8_0", "packed")]),
 ]
 
 
@@ -139,9 +141,12 @@ def test_gguf_experts_stay_in_their_blocks_and_decode_as_the_dequantized_engine(
     quantized, plain = load(path, tmp_path, quantization="gguf"), load(path, tmp_path, quantization="none")
     experts = [layer.mlp.experts for layer in quantized.engine.runner.model.layers]
     assert [(e.w13.qtype, e.w2.qtype) for e in experts] == kinds
-    # Held at the file's size: the tiles regroup the blocks (K-quants' headers unpacked: +3%).
-    held = sum(t.numel() for e in experts for t in e.buffers())
-    in_file = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if "_exps." in t.name)
+    # Kept experts are held at the file's size: the tiles regroup the blocks (K-quants' headers
+    # unpacked: +3%).
+    kept = [p for e in experts for p in (e.w13, e.w2) if p.qtype != "packed"]
+    held = sum(t.numel() * t.element_size() for p in kept for t in p.held_tensors)
+    in_file = sum(int(t.n_bytes) for t in GGUFReader(path).tensors
+                  if "_exps." in t.name and t.tensor_type.name != "F16")
     assert in_file <= held <= 1.03 * in_file
     assert not any("experts" in name for name, _ in quantized.engine.runner.model.named_parameters())
     got, want = greedy(quantized), greedy(plain)
