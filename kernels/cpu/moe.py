@@ -84,13 +84,21 @@ def fused_moe(
     groups = list(reference.expert_groups(topk_weights, topk_ids, len(w13.experts)))
     rows = torch.cat([group_rows for _, group_rows, _ in groups])  # [T * top_k] tokens, grouped by expert
     gathered = x.index_select(0, rows)  # [T * top_k, hidden]
-    products = torch.empty(rows.numel(), w2.out_features, dtype=torch.float32)
+    # Each expert's products write their own row range of one buffer, so the activation and the
+    # router weights run once for the layer (per expert, these small calls were ~4% of a step).
+    gate_up = torch.empty(rows.numel(), w13.out_features, dtype=torch.float32)
+    spans = []  # (expert, first row, end row) in the buffers
     start = 0
-    for expert, group_rows, weights in groups:
+    for expert, group_rows, _ in groups:
         end = start + group_rows.numel()
-        hidden = native.silu_and_mul(native.linear(gathered[start:end], w13.experts[expert]))
-        torch.mul(native.linear(hidden, w2.experts[expert]), weights[:, None], out=products[start:end])
+        native.linear(gathered[start:end], w13.experts[expert], out=gate_up[start:end])
+        spans.append((expert, start, end))
         start = end
+    hidden = native.silu_and_mul(gate_up)  # [T * top_k, inter]
+    products = torch.empty(rows.numel(), w2.out_features, dtype=torch.float32)
+    for expert, start, end in spans:
+        native.linear(hidden[start:end], w2.experts[expert], out=products[start:end])
+    products.mul_(torch.cat([weights for _, _, weights in groups]).unsqueeze(1))
     # One scatter: index_add_ adds the rows in order, so each token's experts are summed in
     # ascending order from zero, as reference.fused_moe (and transformers) sum them.
     return torch.zeros_like(x).index_add_(0, rows, products.to(x.dtype))

@@ -314,22 +314,29 @@ def linear(
     x: torch.Tensor,  # [..., in_features]
     weight: torch.Tensor | PackedWeight | QuantizedWeight | QuantizedParts,  # [out_features, in_features], or packed
     bias: torch.Tensor | None = None,  # [out_features]
+    out: torch.Tensor | None = None,  # [rows, out_features] contiguous float32: written instead of a new tensor
 ) -> torch.Tensor:  # [..., out_features]
     """F.linear; with a packed weight, the native register-blocked product; with a quantized one,
     the fused-dequantization product (F.linear on its dequantized weights where no native build
-    runs it), part by part for a fused weight whose parts differ in type."""
+    runs it), part by part for a fused weight whose parts differ in type. `out` (x 2-D): the native
+    products write their rows there directly (a row range of one buffer for many products),
+    the others copy into it."""
     if isinstance(weight, QuantizedWeight):
-        return _linear_quantized(x, weight, bias)
+        return _linear_quantized(x, weight, bias, out)
     if isinstance(weight, QuantizedParts):
-        out = torch.cat([_linear_quantized(x, part, None) for part in weight.parts], dim=-1)
-        return out if bias is None else out + bias
+        result = torch.cat([_linear_quantized(x, part, None) for part in weight.parts], dim=-1)
+        return _into(result if bias is None else result + bias, out)
     if not isinstance(weight, PackedWeight):
-        return F.linear(x, weight, bias)
+        return _into(F.linear(x, weight, bias), out)
     rows = x.reshape(-1, weight.in_features)
     if rows.stride(-1) != 1 or rows.dtype != torch.float32:
         rows = rows.float().contiguous()
-    out = _packed_module().linear_packed(rows, weight.panels, weight.out_features, bias)
-    return out.view(*x.shape[:-1], weight.out_features)
+    result = _packed_module().linear_packed(rows, weight.panels, weight.out_features, bias, out)
+    return result.view(*x.shape[:-1], weight.out_features)
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
 
 
 _quantized_supported: bool | None = None  # whether the quantized product was built (asked once)
@@ -343,15 +350,17 @@ def _quantized_module():
     return module if _quantized_supported else None
 
 
-def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_quantized(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     module = _quantized_module()
     if module is None:
-        return F.linear(x.float(), weight.dequantize(), bias)
+        return _into(F.linear(x.float(), weight.dequantize(), bias), out)
     rows = x.reshape(-1, weight.in_features)
     if rows.stride(-1) != 1 or rows.dtype != torch.float32:
         rows = rows.float().contiguous()
-    out = module.linear_quantized(rows, weight.tiles, weight.qtype, weight.out_features, bias)
-    return out.view(*x.shape[:-1], weight.out_features)
+    result = module.linear_quantized(rows, weight.tiles, weight.qtype, weight.out_features, bias, out)
+    return result.view(*x.shape[:-1], weight.out_features)
 
 
 def embedding(

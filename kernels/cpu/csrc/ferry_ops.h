@@ -21,12 +21,25 @@ void rotary_write_kv(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, c
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 bool linear_packed_supported();
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+// The products write into `out` where given (a contiguous float32 [M, N]: a row range of a larger
+// buffer, so a mixture-of-experts layer's experts fill one buffer with no copies), else a new tensor.
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
-                            const c10::optional<torch::Tensor>& bias);
+                            const c10::optional<torch::Tensor>& bias,
+                            const c10::optional<torch::Tensor>& out = c10::nullopt);
 bool linear_quantized_supported();
 bool linear_quantized_vnni();
 torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
-                               int64_t out_features, const c10::optional<torch::Tensor>& bias);
+                               int64_t out_features, const c10::optional<torch::Tensor>& bias,
+                               const c10::optional<torch::Tensor>& out = c10::nullopt);
+// `out` checked for a product of M rows and N columns, or a new [M, N] tensor like x.
+inline torch::Tensor product_output(const c10::optional<torch::Tensor>& out, const torch::Tensor& x, int64_t M,
+                                    int64_t N) {
+  if (!out.has_value()) return torch::empty({M, N}, x.options());
+  TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == torch::kFloat32 && out->dim() == 2 &&
+                  out->size(0) == M && out->size(1) == N && out->is_contiguous(),
+              "out must be a contiguous float32 CPU [", M, ", ", N, "] tensor");
+  return *out;
+}
 torch::Tensor quantized_rows(const torch::Tensor& tiles, const std::string& qtype, int64_t out_features,
                              const torch::Tensor& ids);
 double stream_sum(const torch::Tensor& buffer);

@@ -21,6 +21,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "ferry_ops.h"
 #include "vec_avx2.h"
 
 namespace {
@@ -181,7 +182,7 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
 }
 
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
-                            const c10::optional<torch::Tensor>& bias) {
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& out_rows) {
   TORCH_CHECK(!x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
               "x must be a float32 CPU [M, K] tensor with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1) &&
@@ -197,7 +198,7 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels,
     bias_contiguous = bias->contiguous();
     bias_ptr = bias_contiguous.data_ptr<float>();
   }
-  torch::Tensor out = torch::empty({M, N}, x.options());
+  torch::Tensor out = product_output(out_rows, x, M, N);
 #ifdef FERRY_AVX2
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "quantized_tiles.h"
+#include "ferry_ops.h"
 #include "vec_avx2.h"
 
 namespace {
@@ -85,7 +86,8 @@ bool linear_quantized_supported() {
 }
 
 torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
-                               int64_t out_features, const c10::optional<torch::Tensor>& bias) {
+                               int64_t out_features, const c10::optional<torch::Tensor>& bias,
+                               const c10::optional<torch::Tensor>& out_rows) {
   const Format format = parse_format(qtype);
   TORCH_CHECK(!x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
               "x must be a float32 CPU [M, K] tensor with contiguous rows");
@@ -104,7 +106,7 @@ torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tile
     bias_contiguous = bias->contiguous();
     bias_ptr = bias_contiguous.data_ptr<float>();
   }
-  torch::Tensor out = torch::empty({M, N}, x.options());
+  torch::Tensor out = product_output(out_rows, x, M, N);
 #ifdef FERRY_QUANTIZED
   if (M == 0) return out;
   const float* xp = x.data_ptr<float>();

@@ -97,3 +97,22 @@ def test_quantized_experts_of_different_shapes_are_refused():
     experts = _quantized(torch.randn(2, 32, 64), "Q8_0") + _quantized(torch.randn(1, 16, 64), "Q8_0")
     with pytest.raises(ValueError, match="share one shape"):
         ops.quantized_experts(experts)
+
+
+def test_products_write_a_row_range_of_one_buffer():
+    """`native.linear(..., out=)`: each kind of expert matrix fills exactly its rows of a shared
+    buffer with the floats it returns without `out`; an out of the wrong shape is refused."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 64, generator=g)
+    x = torch.randn(5, 64, generator=g)
+    parts = ops.QuantizedParts((ops.quantize_int8_weight(weight[:24]), _quantized(weight[None, 24:], "Q4_0")[0]))
+    for matrix in (native.pack_weight(weight), ops.quantize_int8_weight(weight), parts, weight):
+        buffer = torch.full((9, 40), 7.0)
+        returned = native.linear(x, matrix, out=buffer[2:7])
+        assert returned.data_ptr() == buffer[2:7].data_ptr()
+        assert torch.equal(buffer[2:7], native.linear(x, matrix))
+        assert (buffer[:2] == 7).all() and (buffer[7:] == 7).all()
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32"):
+        native.linear(x, ops.quantize_int8_weight(weight), out=torch.empty(5, 41))
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32"):
+        native.linear(x, native.pack_weight(weight), out=torch.empty(10, 40)[::2])
