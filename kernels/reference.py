@@ -353,22 +353,32 @@ def rotary_and_write_kv(
     return q
 
 
+def sort_by_expert(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """The (token, slot) pairs sorted by expert once (stable, experts ascending): (token rows
+    [T * top_k] int64, router weights [T * top_k] float32, (expert, start, end) spans of those
+    rows for each expert that some token chose)."""
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    spans, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            spans.append((expert, start, start + count))
+            start += count
+    return order // topk_ids.shape[1], topk_weights.reshape(-1)[order], spans
+
+
 def expert_groups(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(expert, token rows [n] int64, router weights [n] float32) for each expert that some token
-    chose, experts ascending: the (token, slot) pairs sorted by expert once, so each expert's
-    tokens are one slice and its product one matrix product."""
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    tokens = order // topk_ids.shape[1]
-    weights = topk_weights.reshape(-1)[order]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            yield expert, tokens[start : start + count], weights[start : start + count]
-            start += count
+    chose, experts ascending (`sort_by_expert`'s spans), so each expert's tokens are one slice and
+    its product one matrix product."""
+    tokens, weights, spans = sort_by_expert(topk_weights, topk_ids, num_experts)
+    for expert, start, end in spans:
+        yield expert, tokens[start:end], weights[start:end]
 
 
 def fused_moe(
