@@ -102,7 +102,7 @@ def family_model(family: str, layers: int, root: Path | str = ".ferry/bench-mode
     if (directory / "config.json").is_file():
         return directory
     if rounded:
-        return _rounded_copy(family_model(family, layers, root), directory)
+        return rounded_checkpoint(family_model(family, layers, root), directory)
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
@@ -117,10 +117,11 @@ def family_model(family: str, layers: int, root: Path | str = ".ferry/bench-mode
 _ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
 
 
-def _rounded_copy(source: Path, directory: Path) -> Path:
+def rounded_checkpoint(source: Path, directory: Path) -> Path:
     """`source` with every matrix (the last dimension a multiple of 32; stacked experts too) rounded
     through Ferry's int8 blocks (`quantize_int8_weight`, row by row) and back to float32; the MoE
-    routers stay float, as `quantization="int8"` keeps them."""
+    routers stay float, as `quantization="int8"` keeps them. So a float engine on the copy holds
+    the values an int8 engine on `source` holds (tests/models/test_quantization.py relies on it)."""
     import shutil
 
     from safetensors.torch import load_file, save_file

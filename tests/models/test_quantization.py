@@ -11,14 +11,13 @@ block), so only perplexity is compared, within 1%.
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 from gguf import GGUFReader
-from safetensors.torch import load_file, save_file
 
-from ferry.kernels.ops import QuantizedWeight, quantize_int8_weight
+from bench.model_families import rounded_checkpoint
+from ferry.kernels.ops import QuantizedWeight
 from ferry.worker.engine import LLM, Engine, EngineConfig, SamplingParams
 from ferry.worker.engine.model_runner import SeqChunk
 from ferry.worker.models.llama import PackedLinear, QuantizedEmbedding
@@ -159,13 +158,7 @@ def test_int8_holds_every_expert_as_the_float_engine_on_the_rounded_checkpoint(t
     decodes as the float engine on the checkpoint rounded through the same blocks (perplexity
     against the unrounded one moves ~2% on this tiny random model, mostly from the dense layers)."""
     model_dir = tiny_model_factory("qwen3_moe", moe_intermediate_size=64)
-    rounded = tmp_path / "rounded"
-    shutil.copytree(model_dir, rounded)
-    tensors = load_file(rounded / "model.safetensors")
-    for name, tensor in tensors.items():
-        if tensor.dim() == 2 and tensor.shape[1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
-            tensors[name] = quantize_int8_weight(tensor).dequantize()
-    save_file(tensors, rounded / "model.safetensors", metadata={"format": "pt"})
+    rounded = rounded_checkpoint(model_dir, tmp_path / "rounded")
     quantized, plain = load(model_dir, tmp_path, quantization="int8"), load(rounded, tmp_path)
     layers = quantized.engine.runner.model.layers
     assert {(layer.mlp.experts.w13.qtype, layer.mlp.experts.w2.qtype) for layer in layers} == {("Q8_0", "Q8_0")}
