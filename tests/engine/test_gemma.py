@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma2Config, Gemma3TextConfig
 
 from ferry.worker.engine import LLM, SamplingParams
+from ferry.worker.engine.hybrid_kv import HybridKVCacheManager
 from ferry.worker.models.config import ModelArch, UnsupportedModelError
 from ferry.worker.models.llama import GemmaDecoderLayer, LlamaModel
 from tests.engine.test_hf_parity import GREEDY, _assert_all_free, _prompts, _reference, assert_prompt_logprobs_match
@@ -117,7 +118,20 @@ def test_two_ranks_match_transformers(gemma_dir):
     with LLM(str(model_dir), tensor_parallel_size=2, **engine) as llm:
         assert llm.engine.arch.implementation == "ferry"
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        # Both pools' blocks gathered from both ranks (a snapshot's read), as one rank holds them;
+        # written to other blocks of both pools and read back the same.
+        keys = [meta.key for meta in llm.engine.prefix_blocks.cached()]
+        gathered = llm.engine.prefix_blocks.read(keys)
+        kv = llm.engine.core.kv
+        assert isinstance(kv, HybridKVCacheManager)
+        spare = [[b for b in pool.free_queue if pool.block_meta[b] is None][: len(keys)]
+                 for pool in (kv.full, kv.windowed)]
+        llm.engine.executor.write_blocks(spare[0], gathered, spare[1])
+        assert torch.equal(llm.engine.executor.read_blocks(*spare), gathered)
     assert [o.token_ids for o in outputs] == [tokens[:12] for tokens in _expected(model_dir, prompts)]
+    one_rank = LLM(str(model_dir), **engine)
+    one_rank.generate(prompts, params, use_tqdm=False)
+    torch.testing.assert_close(one_rank.engine.prefix_blocks.read(keys), gathered, atol=1e-5, rtol=1e-4)
 
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -146,3 +146,7 @@ class EngineConfig:
     def host_lora_capacity(self) -> int:
         """Adapters kept loaded in host memory (max_cpu_loras, or its default)."""
         return self.max_cpu_loras or max(4 * self.max_loras, 16)
+
+    def step_token_budget(self, device_type: str) -> int:
+        """Tokens per step: max_num_batched_tokens, or its default on this kind of device."""
+        return self.max_num_batched_tokens or (4096 if device_type == "cuda" else 512)

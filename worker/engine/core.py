@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ferry.worker.engine.config import EngineConfig
 from ferry.worker.engine.errors import InvalidStructuredOutputError, RequestFailedError
+from ferry.worker.engine.hybrid_kv import HybridKVCacheManager
 from ferry.worker.engine.kv_cache import KVCacheManager, KVUsage
 from ferry.worker.engine.loading import LoadedModel
 from ferry.worker.engine.lora.manager import LoraManager
@@ -24,6 +25,7 @@ from ferry.worker.engine.request import Request
 from ferry.worker.engine.scheduler import Scheduler, SchedulerOutput
 from ferry.worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
 from ferry.worker.engine.spec.proposers import DraftProposer, NgramProposer
+from ferry.worker.models.kv_split import kv_split
 
 _COMPILE_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar to compile
 
@@ -65,8 +67,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel) -> None:
         self.executor = model.executor
         self.max_model_len = model.max_model_len
-        self.kv = KVCacheManager(model.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window=_kv_window(model))
+        self.kv = _kv_manager(config, model)
         self.spec: SpecDecoder | None = None
         spec = config.speculative
         if spec is not None:
@@ -84,7 +85,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or (4096 if model.device.type == "cuda" else 512),
+            max_num_batched_tokens=config.step_token_budget(model.device.type),
             watermark_blocks=min(model.num_blocks // 100, 8),
             lora=self.lora,
         )
@@ -209,6 +210,15 @@ class EngineCore:
             if self.spec is not None:  # blocks of rejected positions, and of proposals never verified
                 self.kv.trim(request)
             out.sampled.append(SampledTokens(request, tokens, result.logprobs.get(request.request_id)))
+
+
+def _kv_manager(config: EngineConfig, model: LoadedModel) -> KVCacheManager | HybridKVCacheManager:
+    """The KV blocks' manager: one pool, or a hybrid model's two (`hybrid_kv`) where loading made them."""
+    if model.num_window_blocks:
+        window = kv_split(model.arch).window
+        return HybridKVCacheManager(model.num_blocks, model.num_window_blocks, config.block_size,
+                                    config.enable_prefix_caching, window)
+    return KVCacheManager(model.num_blocks, config.block_size, config.enable_prefix_caching, window=_kv_window(model))
 
 
 def _kv_window(model: LoadedModel) -> int | None:

@@ -62,15 +62,14 @@ class Executor:
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         return self.runner.execute(sched)
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """KV of these blocks on the CPU: [layers, 2, len(block_ids), kv heads, block size, head dim]."""
-        pool = self.runner.kv_cache
-        return pool.index_select(2, torch.tensor(block_ids, device=pool.device)).cpu()
+    def read_blocks(self, block_ids: list[int], window_block_ids: list[int] | None = None) -> torch.Tensor:
+        """KV of these blocks on the CPU: [layers, 2, len(block_ids), kv heads, block size, head dim].
+        A hybrid model's blocks have a place in each pool: `window_block_ids` the windowed one's."""
+        return self.runner.read_blocks(_block_ids(block_ids, window_block_ids)).cpu()
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Fill these blocks with `kv` (read_blocks' shape)."""
-        pool = self.runner.kv_cache
-        pool.index_copy_(2, torch.tensor(block_ids, device=pool.device), kv.to(pool.device))
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor, window_block_ids: list[int] | None = None) -> None:
+        """Fill these blocks with `kv` (read_blocks' shape; a negative id leaves that pool's part)."""
+        self.runner.write_blocks(_block_ids(block_ids, window_block_ids), kv)
 
     def write_lora(self, slot: int, adapter) -> None:
         """Put a loaded adapter (lora.manager.LoadedAdapter) into device slot `slot`."""
@@ -98,9 +97,10 @@ class _ShardRunner(ModelRunner):
 class ParallelExecutor(Executor):
     """tensor_parallel_size=N: rank 0 here, ranks 1..N-1 in `group`'s processes."""
 
-    def __init__(self, group: RankGroup, arch: ModelArch, model, local: ModelArch, num_blocks: int,
+    def __init__(self, group: RankGroup, arch: ModelArch, model, local: ModelArch, num_blocks: tuple[int, int],
                  block_size: int, dtype: torch.dtype, device) -> None:
-        super().__init__(_ShardRunner(group, model, local, num_blocks, block_size, dtype, device))
+        """`num_blocks`: (main pool's blocks, a hybrid model's windowed pool's or 0)."""
+        super().__init__(_ShardRunner(group, model, local, num_blocks[0], block_size, dtype, device, num_blocks[1]))
         self.group = group
         self.arch = arch  # the whole model's: a block read here has all its kv heads
         size = group.shard.size
@@ -118,13 +118,12 @@ class ParallelExecutor(Executor):
         except Exception as exc:  # mid-step the ranks' pools no longer agree: no later step can be right
             raise self.group.fail(exc) from exc
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def read_blocks(self, block_ids: list[int], window_block_ids: list[int] | None = None) -> torch.Tensor:
         """Every rank's heads of these blocks, gathered here in head order."""
-        pool = self.runner.kv_cache
-        ids = torch.tensor(block_ids, dtype=torch.int64)
+        ids = _block_ids(block_ids, window_block_ids)
         try:
             self.group.send(Op.READ_BLOCKS, ids)
-            mine = pool.index_select(2, ids.to(pool.device)).contiguous()
+            mine = self.runner.read_blocks(ids).contiguous()
             parts = [torch.empty_like(mine) for _ in range(self.group.shard.size)]
             dist.gather(mine, parts, dst=0)
         except RankFailedError:
@@ -133,10 +132,10 @@ class ParallelExecutor(Executor):
             raise self.group.fail(exc) from exc
         return torch.cat([parts[r] for r in self._head_ranks], dim=3).cpu()
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor, window_block_ids: list[int] | None = None) -> None:
         """`kv` holds every kv head: each rank keeps its own."""
         pool = self.runner.kv_cache
-        ids = torch.tensor(block_ids, dtype=torch.int64)
+        ids = _block_ids(block_ids, window_block_ids)
         try:
             self.group.send(Op.WRITE_BLOCKS, ids)
             full = kv.to(device=pool.device, dtype=pool.dtype).contiguous()
@@ -145,7 +144,7 @@ class ParallelExecutor(Executor):
             raise
         except Exception as exc:
             raise self.group.fail(exc) from exc
-        pool.index_copy_(2, ids.to(pool.device), full[:, :, :, : pool.shape[3]])
+        self.runner.write_blocks(ids, full[:, :, :, : pool.shape[3]])
 
     def write_lora(self, slot: int, adapter) -> None:
         """Every rank its shard of the adapter: the others read it from the same local files."""
@@ -166,3 +165,8 @@ class ParallelExecutor(Executor):
 
     def close(self) -> None:
         self.group.close()
+
+
+def _block_ids(block_ids: list[int], window_block_ids: list[int] | None) -> torch.Tensor:
+    """The int64 ids `ModelRunner.read_blocks` takes: the main pool's, then a hybrid model's windowed pool's."""
+    return torch.tensor(block_ids + (window_block_ids or []), dtype=torch.int64)

@@ -17,6 +17,8 @@ A model whose every layer attends over a sliding window (`window`) never reads a
 all its positions are before the window of the next token: `allocate` releases such blocks
 (cached ones stay in the prefix cache as free blocks) and leaves FREED_BLOCK in their place in
 the block table, so a sequence holds about window / block_size + 1 blocks however long it grows.
+A model with both kinds of layers keeps its windowed layers' KV in a pool of their own, with a
+manager of this class over `Request.window_table` (`hybrid_kv.HybridKVCacheManager`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import hashlib
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ferry.worker.engine.request import Request
+from ferry.worker.engine.request import BlockTable, Request
 
 ROOT_KEY = bytes(32)  # parent key of every chain's first block
 FREED_BLOCK = -1  # a block-table place whose block left every layer's window and was released
@@ -50,8 +52,11 @@ def cache_extra(model_salt: str, cache_salt: str | None) -> bytes:
 
 @dataclass(slots=True)
 class PrefixHit:
-    block_ids: list[int]  # cached blocks holding the request's leading full blocks, in order
+    # cached blocks holding the request's leading full blocks, in order; a windowed pool's hit
+    # starts with FREED_BLOCK for the blocks before the window of the first token to compute
+    block_ids: list[int]
     num_tokens: int  # = len(block_ids) * block_size
+    window: PrefixHit | None = None  # a hybrid model's: the windowed layers' blocks of the same tokens
 
 
 @dataclass(slots=True)
@@ -77,9 +82,16 @@ class KVUsage:
         return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
+def own_table(request: Request) -> BlockTable:
+    """The request's block table over the pool of every layer (or a hybrid model's full-attention
+    layers): the fields live on the request itself."""
+    return request
+
+
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None,
+        table: Callable[[Request], BlockTable] = own_table,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV pool needs at least one block of at least one token")
@@ -89,6 +101,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window  # every layer's sliding window (the widest): blocks before it are released
+        self._table = table  # the request's block table in this pool
         self.ref_counts = [0] * num_blocks
         self.block_meta: list[CachedBlock | None] = [None] * num_blocks  # set while a block is cached
         self.cached: dict[bytes, int] = {}  # key -> block id
@@ -120,6 +133,21 @@ class KVCacheManager:
             hits.append(block)
         return PrefixHit(hits, len(hits) * self.block_size)
 
+    def window_hit(self, request: Request, num_blocks: int) -> PrefixHit:
+        """A windowed pool's share of a hit of the request's leading `num_blocks` blocks: the longest
+        hit of at most that many whose blocks inside the window of the first token after it are
+        all cached (those before that window are FREED_BLOCK: no query reads them again)."""
+        self._extend_keys(request, num_blocks)
+        held = [self.cached.get(key) for key in request.block_keys[:num_blocks]]
+        missing = [i for i, block in enumerate(held) if block is None]
+        for n in range(num_blocks, -1, -1):
+            while missing and missing[-1] >= n:
+                missing.pop()
+            dead = min(self.blocks_before_window(n * self.block_size), n)
+            if not missing or missing[-1] < dead:
+                return PrefixHit([FREED_BLOCK] * dead + held[dead:n], n * self.block_size)
+        raise AssertionError("a hit of no blocks always holds")
+
     def allocate(
         self,
         request: Request,
@@ -134,59 +162,76 @@ class KVCacheManager:
         blocks free after the allocation (a watermark for admitting new requests); `lookahead`
         adds slots for that many speculative tokens past them, which never enter the prefix
         cache (they are not final)."""
+        table = self._table(request)
         hit_blocks = prefix.block_ids if prefix else []
-        if hit_blocks and request.block_ids:
+        if hit_blocks and table.block_ids:
             raise ValueError("a prefix hit is attached only to a request without blocks")
-        if self.window is not None and request.block_ids:
-            self._release_out_of_window(request)
-        num_computed = prefix.num_tokens if prefix else request.num_computed_tokens
-        needed_total = -(-(num_computed + num_new_tokens + lookahead) // self.block_size)
-        num_needed = needed_total - len(request.block_ids) - len(hit_blocks)
-        # Hit blocks that sit in the free queue stop being free once attached.
-        reclaimed = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)
-        if num_needed + reserve > len(self.free_queue) - reclaimed:
+        if not self.fits(request, num_new_tokens, prefix, reserve, lookahead):
             return None
+        num_computed = prefix.num_tokens if prefix else request.num_computed_tokens
         if prefix is not None:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += prefix.num_tokens
         now = time.time()
         for block in hit_blocks:
+            if block == FREED_BLOCK:  # before the window of the first token to compute: never read
+                continue
             self._touch(block)
             meta = self.block_meta[block]
             meta.hits += 1
             meta.last_used = now
-        new_blocks = [self._pop_free() for _ in range(max(num_needed, 0))]
-        request.block_ids.extend(hit_blocks)
-        request.block_ids.extend(new_blocks)
+        num_needed = -(-(num_computed + num_new_tokens + lookahead) // self.block_size) - len(table.block_ids)
+        new_blocks = [self._pop_free() for _ in range(max(num_needed - len(hit_blocks), 0))]
+        table.block_ids.extend(hit_blocks)
+        table.block_ids.extend(new_blocks)
         if hit_blocks:
-            request.num_registered_blocks = len(hit_blocks)
+            table.num_registered_blocks = len(hit_blocks)
+            table.num_window_freed_blocks = next((i for i, b in enumerate(hit_blocks) if b != FREED_BLOCK),
+                                                 len(hit_blocks))
         # Blocks fully covered once this step's tokens are computed join the cache now: a request
         # scheduled in the same step reads them after this step's KV writes, layer by layer.
         self._register_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
         return hit_blocks + new_blocks
 
+    def fits(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None, reserve: int = 0,
+             lookahead: int = 0) -> bool:
+        """Whether `allocate` with these arguments finds its blocks (the scheduler preempts
+        lower-priority requests until a waiting one fits). Blocks that left the window are
+        released first: they are dead either way."""
+        table = self._table(request)
+        if self.window is not None and table.block_ids:
+            self._release_out_of_window(request)
+        hit_blocks = prefix.block_ids if prefix else []
+        num_tokens = (prefix.num_tokens if prefix else request.num_computed_tokens) + num_new_tokens + lookahead
+        num_needed = -(-num_tokens // self.block_size) - len(table.block_ids) - len(hit_blocks)
+        # Hit blocks that sit in the free queue stop being free once attached.
+        reclaimed = sum(1 for b in hit_blocks if b != FREED_BLOCK and self.ref_counts[b] == 0)
+        return num_needed + reserve <= len(self.free_queue) - reclaimed
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (finished, aborted or preempted)."""
         # Blocks registered for tokens not computed yet (a request preempted inside the very
         # schedule() call that allocated them) hold no KV: they leave the cache before release.
+        table = self._table(request)
         first_uncomputed = request.num_computed_tokens // self.block_size
-        for i in range(first_uncomputed, min(request.num_registered_blocks, len(request.block_ids))):
-            block = request.block_ids[i]
-            meta = self.block_meta[block]
+        for i in range(first_uncomputed, min(table.num_registered_blocks, len(table.block_ids))):
+            block = table.block_ids[i]
+            meta = None if block == FREED_BLOCK else self.block_meta[block]
             if meta is not None and self.ref_counts[block] == 1 and meta.key == request.block_keys[i]:
                 del self.cached[meta.key]
                 self.block_meta[block] = None
-        self._release(request.block_ids)
-        request.block_ids.clear()
-        request.num_registered_blocks = 0
-        request.num_window_freed_blocks = 0
+        self._release(table.block_ids)
+        table.block_ids.clear()
+        table.num_registered_blocks = 0
+        table.num_window_freed_blocks = 0
 
     def trim(self, request: Request) -> None:
         """Release the blocks past the request's computed tokens: after a verification they hold
         only rejected speculative KV (never cached: lookahead slots are not registered)."""
+        table = self._table(request)
         keep = -(-request.num_computed_tokens // self.block_size)
-        self._release(request.block_ids[keep:])
-        del request.block_ids[keep:]
+        self._release(table.block_ids[keep:])
+        del table.block_ids[keep:]
 
     # --- figures -----------------------------------------------------------------------------
 
@@ -235,14 +280,18 @@ class KVCacheManager:
     def _release_out_of_window(self, request: Request) -> None:
         """Release the leading blocks no query from the next token on can see: a query at p reads
         positions above p - window, so block i is done once (i + 1) * block_size <= p - window + 1."""
-        dead = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
-        dead = min(dead, len(request.block_ids))
-        if dead <= request.num_window_freed_blocks:
+        table = self._table(request)
+        dead = min(self.blocks_before_window(request.num_computed_tokens), len(table.block_ids))
+        if dead <= table.num_window_freed_blocks:
             return
-        first = request.num_window_freed_blocks
-        self._release(request.block_ids[first:dead])
-        request.block_ids[first:dead] = [FREED_BLOCK] * (dead - first)
-        request.num_window_freed_blocks = dead
+        first = table.num_window_freed_blocks
+        self._release(table.block_ids[first:dead])
+        table.block_ids[first:dead] = [FREED_BLOCK] * (dead - first)
+        table.num_window_freed_blocks = dead
+
+    def blocks_before_window(self, num_computed: int) -> int:
+        """Leading blocks no query from position `num_computed` on reads (0 without a window)."""
+        return 0 if self.window is None else max(num_computed - self.window + 1, 0) // self.block_size
 
     def _release(self, blocks: list[int]) -> None:
         # Reverse order: a chain's tail is evicted before its head, which more requests share.
@@ -275,18 +324,19 @@ class KVCacheManager:
         return block
 
     def _register_full_blocks(self, request: Request, num_full_blocks: int) -> None:
-        if not self.enable_prefix_caching or num_full_blocks <= request.num_registered_blocks:
+        table = self._table(request)
+        if not self.enable_prefix_caching or num_full_blocks <= table.num_registered_blocks:
             return
         self._extend_keys(request, num_full_blocks)
         bs = self.block_size
         now = time.time()
-        for i in range(request.num_registered_blocks, num_full_blocks):
+        for i in range(table.num_registered_blocks, num_full_blocks):
             key = request.block_keys[i]
-            block = request.block_ids[i]
-            if key in self.cached or self.block_meta[block] is not None:
+            block = table.block_ids[i]
+            if block == FREED_BLOCK or key in self.cached or self.block_meta[block] is not None:
                 continue  # same content computed twice concurrently: keep the first copy cached
             parent = request.block_keys[i - 1] if i else ROOT_KEY
             tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self.block_meta[block] = CachedBlock(key, parent, tokens, last_used=now)
             self.cached[key] = block
-        request.num_registered_blocks = num_full_blocks
+        table.num_registered_blocks = num_full_blocks

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from ferry.worker.engine.config import EngineConfig
 from ferry.worker.engine.errors import LoraAdapterError
 from ferry.worker.engine.executor import Executor, ParallelExecutor, check_tensor_parallel
-from ferry.worker.engine.kv_budget import kv_budget_bytes
+from ferry.worker.engine.kv_budget import kv_budget_bytes, split_pool
 from ferry.worker.engine.model_runner import ModelRunner
 from ferry.worker.engine.parallel.group import RankGroup
 from ferry.worker.engine.parallel.wire import RankSpec
@@ -28,6 +28,7 @@ from ferry.worker.engine.prefix_io import KV_LAYOUT, KVLayout
 from ferry.worker.engine.spec.proposers import load_draft
 from ferry.worker.models.config import ModelArch, UnsupportedModelError
 from ferry.worker.models.fallback import fallback_arch
+from ferry.worker.models.kv_split import kv_split
 from ferry.worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
 from ferry.worker.models.lora_layers import attach_lora
 from ferry.worker.models.quantization import Quantization, resolve_quantization
@@ -52,6 +53,8 @@ class LoadedModel:
     quantization: str  # "none" | "gguf" | "int8": how the weights are held in memory
     executor: Executor  # runs a step: rank 0's model runner (and the other ranks' processes)
     num_blocks: int  # the KV pool's blocks, the same on every rank
+    # a hybrid model's windowed layers' pool (worker.models.kv_split; 0: one pool for every layer)
+    num_window_blocks: int
     draft: tuple | None  # (model, arch) of the speculative draft model (method "draft"), else None
     model_salt: str  # the prefix cache's namespace for this model: equal salts, shareable KV
     kv_layout: KVLayout  # one block of KV as snapshots save and restore it (every kv head, every rank's)
@@ -91,8 +94,8 @@ def load(config: EngineConfig) -> LoadedModel:
     )
     group = RankGroup(spec) if tp > 1 else None  # the other ranks load their shards meanwhile
     try:
-        executor, num_blocks, bytes_per_block, draft = _start_executor(config, spec, device, tokenizer, group,
-                                                                       quantization)
+        executor, (num_blocks, num_window_blocks), pool_bytes, draft = _start_executor(
+            config, spec, device, tokenizer, group, quantization)
     except BaseException:
         if group is not None:
             group.close()
@@ -111,15 +114,17 @@ def load(config: EngineConfig) -> LoadedModel:
         quantization=quantization.method,
         executor=executor,
         num_blocks=num_blocks,
+        num_window_blocks=num_window_blocks,
         draft=draft,
         model_salt=config.model_salt or _default_model_salt(model_dir, dtype, quantization.method, arch.implementation),
         kv_layout=KVLayout(KV_LAYOUT, block_shape, dtype, config.block_size),
     )
     log.info(
-        "engine ready: %s (%s) on %s, %s, quantization %s, tensor parallel %d, KV pool %d blocks x %d tokens "
+        "engine ready: %s (%s) on %s, %s, quantization %s, tensor parallel %d, KV pool %d blocks x %d tokens%s "
         "(%.1f MiB per rank), max_model_len %d",
         model_dir.name, arch.architecture, device, dtype, loaded.quantization, tp, num_blocks, config.block_size,
-        num_blocks * bytes_per_block / 2**20, max_model_len,
+        f" (+{num_window_blocks} blocks of the sliding-window layers)" if num_window_blocks else "",
+        pool_bytes / 2**20, max_model_len,
     )
     return loaded
 
@@ -188,10 +193,11 @@ def _sampling_defaults(model_dir: Path) -> dict[str, float | int]:
 
 
 def _start_executor(config: EngineConfig, spec: RankSpec, device: torch.device, tokenizer,
-                    group: RankGroup | None, quantization: Quantization) -> tuple[Executor, int, int, tuple | None]:
+                    group: RankGroup | None, quantization: Quantization) -> tuple[Executor, tuple[int, int], int,
+                                                                                  tuple | None]:
     """Load this rank's shard of the model (and the draft model, whole, for method "draft"), size
-    the KV pool (the smallest of every rank's) and build the executor. Returns it, the pool's
-    block count, its bytes per block and the draft."""
+    the KV pool (the smallest of every rank's) and build the executor. Returns it, the pools' block
+    counts (main, windowed), their bytes on this rank and the draft."""
     shard = UNSHARDED if group is None else group.shard
     arch, dtype, block_size, max_model_len = spec.arch, spec.dtype, spec.block_size, spec.max_model_len
     model = load_model(Path(spec.model_dir), arch, dtype, device, max_model_len, quantization, shard)
@@ -208,19 +214,27 @@ def _start_executor(config: EngineConfig, spec: RankSpec, device: torch.device, 
     ranks_per_host = shard.size if device.type == "cpu" else 1
     num_blocks = kv_budget_bytes(config.kv_cache_bytes, device, max_model_len, block_size, config.max_num_seqs,
                                  bytes_per_block, ranks_per_host) // bytes_per_block
-    if group is not None:
-        num_blocks = group.agree_num_blocks(num_blocks)
-    if num_blocks * block_size < max_model_len:
-        raise ValueError(
-            f"a KV pool of {num_blocks} blocks x {block_size} tokens cannot hold one sequence of "
-            f"max_model_len={max_model_len}; raise kv_cache_bytes (needs at least "
-            f"{-(-max_model_len // block_size) * bytes_per_block} bytes) or lower max_model_len"
-        )
+    # A hybrid model's windowed layers get a pool of their own, which releases blocks out of the
+    # window. Not with a draft model (it shares the main pool's block tables) or LongRoPE (it
+    # recomputes a sequence from its first token at the switch).
+    split = kv_split(arch) if draft is None and arch.rope.long_inv_freq is None else None
+
+    def pools(count: int) -> tuple[int, int]:  # from the smallest of every rank's counts
+        if count * block_size < max_model_len:
+            raise ValueError(
+                f"a KV pool of {count} blocks x {block_size} tokens cannot hold one sequence of "
+                f"max_model_len={max_model_len}; raise kv_cache_bytes (needs at least "
+                f"{-(-max_model_len // block_size) * bytes_per_block} bytes) or lower max_model_len"
+            )
+        return split_pool(count, split, block_size, config.max_num_seqs, config.step_token_budget(device.type))
+
+    sizes = pools(num_blocks) if group is None else group.agree_num_blocks(num_blocks, pools)
     if group is None:
-        executor = Executor(ModelRunner(model, local, num_blocks, block_size, dtype, device))
+        executor = Executor(ModelRunner(model, local, sizes[0], block_size, dtype, device, sizes[1]))
     else:
-        executor = ParallelExecutor(group, arch, model, local, num_blocks, block_size, dtype, device)
-    return executor, num_blocks, bytes_per_block, draft
+        executor = ParallelExecutor(group, arch, model, local, sizes, block_size, dtype, device)
+    pools_in_use = [p for p in (executor.runner.kv_cache, executor.runner.window_kv_cache) if p is not None]
+    return executor, sizes, sum(p.numel() * p.element_size() for p in pools_in_use), draft
 
 
 def _default_model_salt(model_dir: Path, dtype: torch.dtype, quantization: str, implementation: str) -> str:

@@ -16,6 +16,7 @@ from ferry.worker.engine.sampler import SamplerOutput, sample
 from ferry.worker.engine.scheduler import SchedulerOutput
 from ferry.worker.engine.spec.decode import verify
 from ferry.worker.models.config import ModelArch, rope_table_rows
+from ferry.worker.models.kv_split import KVSplit, WindowedKV, kv_split
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class SeqChunk:
     num_prompt_logits: int = 0
     long_rope: bool = False  # LongRoPE: the sequence is past the switch, rotate with the long factors
     lora_slot: int = -1  # the device slot of its LoRA adapter; -1: the base model
+    window_block_ids: list[int] = field(default_factory=list)  # a hybrid model's: its windowed layers' table
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class ModelInput:
     attention: AttentionMetadata  # query_start_loc, seq_lens, block_tables (shared by all layers)
     logits_indices: torch.Tensor  # [num_logits] int64: rows whose logits are computed (a chunk's prompt rows first)
     lora: LoraMapping | None = None  # each row's adapter slot; None: no row has an adapter
+    windowed: WindowedKV | None = None  # a hybrid model's windowed layers' pool, slots and block tables
 
 
 @dataclass(slots=True)
@@ -70,31 +73,40 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 class ModelRunner:
-    def __init__(self, model, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, model, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 num_window_blocks: int = 0) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
         self.device = torch.device(device)
+        # A hybrid model (num_window_blocks > 0) keeps its windowed layers' KV in a pool of their own
+        # (worker.models.kv_split); `kv_cache` then holds the full-attention layers only.
+        self.split: KVSplit | None = kv_split(arch) if num_window_blocks else None
+        if num_window_blocks and self.split is None:
+            raise ValueError(f"a windowed KV pool needs both full and sliding-window layers; {arch.architecture} "
+                             "has one kind")
+        pool_layers = arch.num_layers if self.split is None else len(self.split.full_layers)
         # One pool for all layers: [layer, K/V, block, kv head, slot, head dim]. Zeroed so that
         # padded positions read by the CPU path are finite (they are masked out).
-        self.kv_cache = zeroed_pool(
-            (arch.num_layers, 2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim), dtype, self.device
-        )
+        kv_shape = (arch.num_kv_heads, block_size, arch.head_dim)
+        self.kv_cache = zeroed_pool((pool_layers, 2, num_blocks, *kv_shape), dtype, self.device)
+        self.window_kv_cache = None if self.split is None else zeroed_pool(
+            (len(self.split.window_layers), 2, num_window_blocks, *kv_shape), dtype, self.device)
         self._attention_workspace: dict = {}  # scratch buffers the CPU attention path reuses every step
         # LongRoPE's rotary table holds the short factors' rows, then as many of the long factors'.
         self._rope_half = model.cos_sin.shape[0] // 2 if arch.rope.long_inv_freq is not None else 0
 
     @staticmethod
-    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """One block's KV bytes over `num_layers` layers (default: every layer)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
+        layers = arch.num_layers if num_layers is None else num_layers
+        return layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
 
     def prepare(self, chunks: list[SeqChunk]) -> ModelInput:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens = [], []
         logits_indices: list[int] = []
         lora_slots: list[int] | None = None  # per row; None while no chunk has an adapter
         for chunk in chunks:
@@ -105,25 +117,67 @@ class ModelRunner:
             start, end = chunk.start, chunk.start + len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
             positions.extend(rope_table_rows(self.arch.rope, start, end, chunk.long_rope, self._rope_half))
-            table = chunk.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(end - start)
             seq_lens.append(end)
-            tables.append(table[: -(-end // bs)])
             first_row = len(input_ids) - len(chunk.token_ids)
             logits_indices.extend(range(first_row, first_row + chunk.num_prompt_logits))
             logits_indices.extend(range(len(input_ids) - chunk.num_logits, len(input_ids)))
         dev = self.device
-        attention = AttentionMetadata.build(query_lens, seq_lens, tables, bs, dev)
-        attention.plans.workspace = self._attention_workspace
+        slots, attention = self._paged(chunks, [c.block_ids for c in chunks], query_lens, seq_lens)
+        windowed = None
+        if self.split is not None:
+            window_slots, window_attention = self._paged(chunks, [c.window_block_ids for c in chunks], query_lens,
+                                                         seq_lens)
+            windowed = WindowedKV(self.split, self.window_kv_cache, window_slots, window_attention)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slots,
             attention=attention,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             lora=LoraMapping.build(lora_slots, dev) if lora_slots is not None else None,
+            windowed=windowed,
         )
+
+    def _paged(self, chunks: list[SeqChunk], tables: list[list[int]], query_lens: list[int],
+               seq_lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The [num_tokens] slot mapping and the attention metadata of one pool's block `tables`
+        (one per chunk)."""
+        bs = self.block_size
+        slots: list[int] = []
+        used_tables = []
+        for chunk, table, end in zip(chunks, tables, seq_lens, strict=True):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, end))
+            used_tables.append(table[: -(-end // bs)])
+        attention = AttentionMetadata.build(query_lens, seq_lens, used_tables, bs, self.device)
+        attention.plans.workspace = self._attention_workspace
+        return torch.tensor(slots, dtype=torch.int64, device=self.device), attention
+
+    def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """KV of these blocks, on the pool's device: [layers, 2, n, kv heads, block size, head dim] in
+        layer order. A hybrid model's `block_ids` are [2n]: n main-pool ids, then the same blocks'
+        windowed-pool ids."""
+        if self.split is None:
+            return self.kv_cache.index_select(2, block_ids.to(self.device))
+        full_ids, window_ids = block_ids.to(self.device).view(2, -1)
+        out = self.kv_cache.new_empty((self.arch.num_layers, 2, len(full_ids), *self.kv_cache.shape[3:]))
+        out[list(self.split.full_layers)] = self.kv_cache.index_select(2, full_ids)
+        out[list(self.split.window_layers)] = self.window_kv_cache.index_select(2, window_ids)
+        return out
+
+    def write_blocks(self, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        """Fill these blocks (read_blocks' ids; a negative id: leave that pool's part of the block)
+        with `kv` (read_blocks' shape, this pool's kv heads)."""
+        kv = kv.to(device=self.device, dtype=self.kv_cache.dtype)
+        block_ids = block_ids.to(self.device)
+        if self.split is None:
+            self.kv_cache.index_copy_(2, block_ids, kv)
+            return
+        for pool, layers, ids in zip((self.kv_cache, self.window_kv_cache),
+                                     (self.split.full_layers, self.split.window_layers), block_ids.view(2, -1),
+                                     strict=True):
+            kept = (ids >= 0).nonzero().flatten()
+            pool.index_copy_(2, ids[kept], kv[list(layers)].index_select(2, kept))
 
     @torch.inference_mode()
     def forward_hidden(self, chunks: list[SeqChunk]) -> tuple[ModelInput, torch.Tensor]:
@@ -133,7 +187,9 @@ class ModelRunner:
         lora = getattr(self.model, "lora", None)
         if lora is not None:
             lora.set(inputs.lora)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.slot_mapping, inputs.attention)
+        windowed = {} if inputs.windowed is None else {"windowed": inputs.windowed}
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.slot_mapping, inputs.attention,
+                            **windowed)
         return inputs, hidden
 
     @torch.inference_mode()
@@ -159,7 +215,7 @@ class ModelRunner:
             scores_prompt = request.prompt_logprobs is not None
             num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start) if scores_prompt else 0
             chunks.append(SeqChunk(token_ids, start, request.block_ids, num_logits, num_prompt, request.rope_long,
-                                   request.lora_slot))
+                                   request.lora_slot, request.window_table.block_ids))
             if num_logits:
                 sampling.append(request)
             if num_prompt:

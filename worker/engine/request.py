@@ -39,6 +39,16 @@ class SpecState:
         self.draft_probs = None
 
 
+@dataclass(slots=True)
+class BlockTable:
+    """A block table in a pool of its own (a hybrid model's windowed layers' `Request.window_table`);
+    the request's table over the main pool is the same three fields on the Request itself."""
+
+    block_ids: list[int] = field(default_factory=list)  # block i holds tokens [i*bs, (i+1)*bs); FREED_BLOCK: released
+    num_registered_blocks: int = 0  # leading blocks already entered in this pool's prefix cache
+    num_window_freed_blocks: int = 0  # leading blocks released once the window passed them
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
     RUNNING = "running"  # holds blocks and is scheduled each step it fits the budget
@@ -80,6 +90,8 @@ class Request:
     # leading blocks released since every layer's sliding window passed them (KVCacheManager.window);
     # their places in block_ids hold FREED_BLOCK
     num_window_freed_blocks: int = 0
+    # a hybrid model's windowed layers' blocks, in their own pool (hybrid_kv); unused otherwise
+    window_table: BlockTable = field(default_factory=BlockTable)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -30,6 +30,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from ferry.worker.engine.hybrid_kv import HybridKVCacheManager
 from ferry.worker.engine.kv_cache import KVCacheManager
 from ferry.worker.engine.lora.manager import LoraManager
 from ferry.worker.engine.outputs import FinishReason
@@ -56,7 +57,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: KVCacheManager | HybridKVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
@@ -222,15 +223,8 @@ class Scheduler:
             return 0
         prefix = self.kv.lookup_prefix(head)
         num_new = min(head.num_tokens - prefix.num_tokens, budget)
-        # Blocks the admission takes from the free queue: new ones, and hit blocks sitting there.
-        needed = (
-            -(-(prefix.num_tokens + num_new) // self.kv.block_size)
-            - len(prefix.block_ids)
-            + sum(1 for b in prefix.block_ids if self.kv.ref_counts[b] == 0)
-            + self.watermark_blocks
-        )
         given_back = 0
-        while len(self.running) >= self.max_num_seqs or needed > self.kv.num_free_blocks:
+        while len(self.running) >= self.max_num_seqs or not self.kv.fits(head, num_new, prefix, self.watermark_blocks):
             lower = [r for r in self.running if r.priority > head.priority]
             if not lower:
                 break

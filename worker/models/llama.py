@@ -18,6 +18,7 @@ from torch import nn
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata, QuantizedParts, QuantizedWeight
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
+from ferry.worker.models.kv_split import WindowedKV, layer_kv
 from ferry.worker.models.lora_layers import LoraContext, LoraLinear
 from ferry.worker.models.moe import Experts, SparseMoe
 from ferry.worker.models.sharding import UNSHARDED, Shard, local_arch
@@ -316,6 +317,7 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
+        windowed: WindowedKV | None = None,  # a hybrid model's windowed layers' pool; kv_cache then holds the full ones
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
@@ -324,14 +326,13 @@ class LlamaModel(nn.Module):
         with ops.pinned_backend(x) as backend:
             adapted = self.lora is not None and self.lora.active  # (the native stack has no adapter slots)
             if (self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len
-                    and not adapted):
+                    and not adapted and windowed is None):  # (the native stack reads one pool)
                 hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta)
                 if hidden is not None:  # a decode / verification step: all layers in one call
                     return hidden
             for i, layer in enumerate(self.layers):
-                x, residual = layer(
-                    x, residual, positions, self.layer_cos_sin(i), kv_cache[i, 0], kv_cache[i, 1], slot_mapping, meta
-                )
+                k_cache, v_cache, slots, layer_meta = layer_kv(i, kv_cache, slot_mapping, meta, windowed)
+                x, residual = layer(x, residual, positions, self.layer_cos_sin(i), k_cache, v_cache, slots, layer_meta)
             return ops.rms_norm(x, self.norm, self.arch.rms_norm_eps, residual)[0]
 
     def layer_cos_sin(self, layer: int) -> torch.Tensor:

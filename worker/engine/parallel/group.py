@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -73,11 +74,12 @@ class RankGroup:
 
     # --- start-up -------------------------------------------------------------------------------
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        """The KV pool size every rank uses: the smallest of each rank's own (`num_blocks` is rank
-        0's), so a block id names a block on every rank. Waits for the ranks to load their shards."""
+    def agree_num_blocks(self, num_blocks: int, pools: Callable[[int], tuple[int, int]]) -> tuple[int, int]:
+        """The KV pools every rank uses: `pools` of the smallest of each rank's own block count
+        (`num_blocks` is rank 0's), so a block id names a block on every rank. Returns them
+        (main pool's blocks, windowed pool's). Waits for the ranks to load their shards."""
         counts = self._expect("loaded")
-        agreed = min([num_blocks, *counts])
+        agreed = pools(min([num_blocks, *counts]))
         for conn in self._conns:
             conn.send(agreed)
         self._expect("ready")

@@ -60,8 +60,9 @@ def rank_main(spec: RankSpec, rank: int, conn) -> None:
         budget = kv_budget_bytes(spec.kv_cache_bytes, device, spec.max_model_len, spec.block_size,
                                  spec.max_num_seqs, per_block, ranks_per_host)
         conn.send(("loaded", budget // per_block))
-        num_blocks = conn.recv()  # the smallest count of all ranks: block ids mean the same everywhere
-        runner = ModelRunner(model, local, num_blocks, spec.block_size, spec.dtype, device)
+        # (main pool, windowed pool) from the smallest count of all ranks: block ids mean the same everywhere
+        num_blocks, num_window_blocks = conn.recv()
+        runner = ModelRunner(model, local, num_blocks, spec.block_size, spec.dtype, device, num_window_blocks)
         conn.send(("ready", None))
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
@@ -84,12 +85,13 @@ def _serve(runner: ModelRunner, control: dist.ProcessGroup, kv_head0: int, num_k
         if op == Op.STEP:
             runner.forward_hidden(unpack_chunks(payload))
         elif op == Op.READ_BLOCKS:
-            dist.gather(pool.index_select(2, payload.to(pool.device)).contiguous(), None, dst=0)
+            dist.gather(runner.read_blocks(payload).contiguous(), None, dst=0)
         elif op == Op.WRITE_BLOCKS:
-            shape = (pool.shape[0], 2, length, num_kv_heads, *pool.shape[4:])
+            num_ids = length if runner.split is None else length // 2
+            shape = (spec.arch.num_layers, 2, num_ids, num_kv_heads, *pool.shape[4:])
             kv = torch.empty(shape, dtype=pool.dtype, device=pool.device)
             dist.broadcast(kv, 0)
-            pool.index_copy_(2, payload.to(pool.device), kv[:, :, :, kv_head0 : kv_head0 + pool.shape[3]])
+            runner.write_blocks(payload, kv[:, :, :, kv_head0 : kv_head0 + pool.shape[3]])
         elif op == Op.LORA:  # rank 0 read and checked the same files: this rank's shard of them
             slot, directory = unpack_lora(payload)
             if directory is None:

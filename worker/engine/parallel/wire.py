@@ -4,8 +4,8 @@ A message is an int64 header `[op, payload length]` and an int64 payload, both b
 rank 0 over the control group (gloo, CPU tensors, whatever the model's device). A step's payload
 is its flat batch metadata, once per step and never per layer:
 
-    [num_chunks, (num_tokens, start, num_block_ids, num_logits, long_rope, lora_slot, *token_ids, *block_ids)
-     per chunk]
+    [num_chunks, (num_tokens, start, num_block_ids, num_window_block_ids, num_logits, long_rope, lora_slot,
+                  *token_ids, *block_ids, *window_block_ids) per chunk]
 
 from which every rank builds the same `ModelInput` (`ModelRunner.prepare`) on its own device.
 """
@@ -24,8 +24,10 @@ from ferry.worker.models.config import ModelArch
 class Op(enum.IntEnum):
     STOP = 0  # leave the group and exit
     STEP = 1  # run the decoder over the batch in the payload
-    READ_BLOCKS = 2  # payload: block ids; each rank sends rank 0 its heads of them (a snapshot save)
-    WRITE_BLOCKS = 3  # payload: block ids; rank 0 then broadcasts their KV, each rank keeps its heads
+    # payload: block ids (a hybrid model's: then as many windowed-pool ids, `ModelRunner.read_blocks`);
+    # each rank sends rank 0 its heads of them (a snapshot save)
+    READ_BLOCKS = 2
+    WRITE_BLOCKS = 3  # payload: as READ_BLOCKS'; rank 0 then broadcasts their KV, each rank keeps its heads
     # payload: [slot, *utf-8 bytes of an adapter directory]: each rank puts its shard in the slot (no bytes: empty it)
     LORA = 4
 
@@ -53,9 +55,11 @@ def pack_chunks(chunks: list[SeqChunk]) -> torch.Tensor:
     """One step's chunks as the flat int64 payload above."""
     flat = [len(chunks)]
     for c in chunks:
-        flat += (len(c.token_ids), c.start, len(c.block_ids), c.num_logits, int(c.long_rope), c.lora_slot)
+        flat += (len(c.token_ids), c.start, len(c.block_ids), len(c.window_block_ids), c.num_logits,
+                 int(c.long_rope), c.lora_slot)
         flat += c.token_ids
         flat += c.block_ids
+        flat += c.window_block_ids
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -73,11 +77,13 @@ def unpack_chunks(payload: torch.Tensor) -> list[SeqChunk]:
     flat = payload.tolist()
     chunks, i = [], 1
     for _ in range(flat[0]):
-        num_tokens, start, num_blocks, num_logits, long_rope, lora_slot = flat[i : i + 6]
-        i += 6
+        num_tokens, start, num_blocks, num_window_blocks, num_logits, long_rope, lora_slot = flat[i : i + 7]
+        i += 7
         tokens = flat[i : i + num_tokens]
         i += num_tokens
-        chunks.append(SeqChunk(tokens, start, flat[i : i + num_blocks], num_logits, long_rope=bool(long_rope),
-                               lora_slot=lora_slot))
+        blocks = flat[i : i + num_blocks]
         i += num_blocks
+        chunks.append(SeqChunk(tokens, start, blocks, num_logits, long_rope=bool(long_rope), lora_slot=lora_slot,
+                               window_block_ids=flat[i : i + num_window_blocks]))
+        i += num_window_blocks
     return chunks
