@@ -1,10 +1,14 @@
-"""KV held per sequence by a sliding-window model (issue 36): a Mistral-shaped tiny model whose
-every layer has a `--window`-token window generates 4x its window after a 16-token prompt; the
-most KV blocks the sequence ever held, against its window and against the whole sequence (what
-it held before blocks behind the window were released).
+"""KV held per sequence by a sliding-window model (issue 36): a tiny model generates 4x its window
+after a 16-token prompt; the most KV the sequence ever held, against its window and against the
+whole sequence (what it held before blocks behind the window were released).
 
-    python -m bench.window_kv                       # windows 64 and 256, block 16
-    python -m bench.window_kv --windows 4096 --block 16
+- Mistral-shaped, every layer windowed: blocks held.
+- Gemma 2-shaped (`--family gemma2`), full-attention layers beside windowed ones: its windowed
+  layers' blocks (their own pool) against the window, and the KV bytes of every layer against
+  one pool that keeps every block for every layer.
+
+    python -m bench.window_kv                       # windows 64 and 256, block 16, both families
+    python -m bench.window_kv --windows 4096 --block 16 --family mistral
 """
 
 from __future__ import annotations
@@ -17,41 +21,93 @@ from bench.common import write_result
 
 
 def held_blocks(window: int, block: int, prompt_tokens: int = 16) -> dict:
-    import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    from ferry.worker.engine import LLM, SamplingParams
-
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                           max_position_embeddings=prompt_tokens + 4 * window + 16)
     with tempfile.TemporaryDirectory() as tmp:
-        config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
-                               max_position_embeddings=prompt_tokens + 4 * window + 16)
-        torch.manual_seed(0)
-        MistralForCausalLM(config).save_pretrained(Path(tmp))  # no tokenizer: prompts are token ids
-        llm = LLM(tmp, block_size=block)
-        params = SamplingParams(max_tokens=4 * window, temperature=0.0, ignore_eos=True)
-        llm.engine.add_request("window", list(range(3, 3 + prompt_tokens)), params)
-        held = 0
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-            held = max(held, llm.engine.kv_usage().num_used_blocks)
+        llm = _engine(MistralForCausalLM(config), Path(tmp), block)
+        held = max(used for used, _ in _run(llm, window, prompt_tokens))
     tokens = prompt_tokens + 4 * window
     whole = -(-tokens // block)
-    return {"window": window, "block_size": block, "sequence_tokens": tokens, "max_blocks_held": held,
-            "held_over_window": round(held * block / window, 3), "blocks_without_release": whole,
-            "without_release_over_window": round(whole * block / window, 3)}
+    return {"family": "mistral", "window": window, "block_size": block, "sequence_tokens": tokens,
+            "max_blocks_held": held, "held_over_window": round(held * block / window, 3),
+            "blocks_without_release": whole, "without_release_over_window": round(whole * block / window, 3)}
+
+
+def hybrid_held(window: int, block: int, prompt_tokens: int = 16) -> dict:
+    """Gemma 2-shaped: 4 layers, every other one windowed (their KV in a pool of its own)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                          max_position_embeddings=prompt_tokens + 4 * window + 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _engine(Gemma2ForCausalLM(config), Path(tmp), block)
+        held = _run(llm, window, prompt_tokens)
+        full_layers, window_layers = llm.engine.runner.kv_cache.shape[0], llm.engine.runner.window_kv_cache.shape[0]
+    tokens = prompt_tokens + 4 * window
+    whole = -(-tokens // block)
+    windowed = max(w for _, w in held)
+    # KV in blocks of one layer: the most the sequence held at once, against one pool keeping everything
+    layer_blocks = max(f * full_layers + w * window_layers for f, w in held)
+    without_release = whole * (full_layers + window_layers)
+    return {"family": "gemma2", "window": window, "block_size": block, "sequence_tokens": tokens,
+            "full_layers": full_layers, "window_layers": window_layers, "max_window_blocks_held": windowed,
+            "window_held_over_window": round(windowed * block / window, 3),
+            "kv_layer_blocks_held": layer_blocks, "kv_layer_blocks_without_release": without_release,
+            "kv_held_over_without_release": round(layer_blocks / without_release, 3)}
+
+
+def _engine(model, directory: Path, block: int):
+    import torch
+
+    from ferry.worker.engine import LLM
+
+    torch.manual_seed(0)
+    model.save_pretrained(directory)  # no tokenizer: prompts are token ids
+    return LLM(str(directory), block_size=block)
+
+
+def _run(llm, window: int, prompt_tokens: int) -> list[tuple[int, int]]:
+    """Generate 4x the window; per step (blocks in use: a hybrid model's full layers' pool's, its
+    windowed pool's (0 for a model with one pool))."""
+    from ferry.worker.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=4 * window, temperature=0.0, ignore_eos=True)
+    llm.engine.add_request("window", list(range(3, 3 + prompt_tokens)), params)
+    kv = llm.engine.core.kv
+    main, windowed = getattr(kv, "full", kv), getattr(kv, "windowed", None)
+    steps = []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        in_window = 0 if windowed is None else windowed.num_blocks - windowed.num_free_blocks
+        steps.append((main.num_blocks - main.num_free_blocks, in_window))
+    return steps
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", default="64,256", help="comma-separated window sizes")
     parser.add_argument("--block", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--family", choices=("mistral", "gemma2", "both"), default="both")
     args = parser.parse_args(argv)
-    rows = [held_blocks(int(w), args.block) for w in args.windows.split(",")]
+    windows = [int(w) for w in args.windows.split(",")]
+    rows = []
+    if args.family in ("mistral", "both"):
+        rows += [held_blocks(w, args.block) for w in windows]
+    if args.family in ("gemma2", "both"):
+        rows += [hybrid_held(w, args.block) for w in windows]
     for r in rows:
-        print(f"window {r['window']}, block {r['block_size']}: a {r['sequence_tokens']}-token sequence held at most "
-              f"{r['max_blocks_held']} blocks = {r['held_over_window']}x its window "
-              f"(without release {r['blocks_without_release']} blocks, {r['without_release_over_window']}x)")
+        start = f"{r['family']}, window {r['window']}, block {r['block_size']}: a {r['sequence_tokens']}-token sequence"
+        if r["family"] == "mistral":
+            print(f"{start} held at most {r['max_blocks_held']} blocks = {r['held_over_window']}x its window "
+                  f"(without release {r['blocks_without_release']} blocks, {r['without_release_over_window']}x)")
+        else:
+            print(f"{start}: its {r['window_layers']} windowed layers held at most {r['max_window_blocks_held']} "
+                  f"blocks = {r['window_held_over_window']}x the window; every layer's KV "
+                  f"{r['kv_held_over_without_release']}x what one pool keeping every block holds")
     print(f"wrote {write_result('window_kv', {'settings': {'block_size': args.block}, 'results': rows})}")
 
 
