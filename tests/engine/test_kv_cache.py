@@ -3,7 +3,7 @@ CPU pool the blocks live in."""
 
 from __future__ import annotations
 
-from ferry.worker.engine.kv_cache import KVCacheManager
+from ferry.worker.engine.kv_cache import FREED_BLOCK, KVCacheManager
 from tests.engine.helpers import make_request
 
 
@@ -176,3 +176,24 @@ def test_the_cpu_pool_is_zero_and_takes_memory_only_as_it_is_written():
     half = zeroed_pool((3, 5), torch.bfloat16, torch.device("cpu"))
     assert half.dtype == torch.bfloat16 and torch.equal(half, torch.zeros(3, 5, dtype=torch.bfloat16))
     assert zeroed_pool((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
+
+
+def test_a_windowed_pool_hits_a_prefix_whose_blocks_before_the_window_were_evicted():
+    """Every layer windowed: a prompt's blocks before the window of its next token are never read
+    again, so a hit needs only the blocks inside it (the ones before stand as FREED_BLOCK)."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, window=8)
+    a = make_request("a", 41)
+    kv.allocate(a, 12, kv.lookup_prefix(a))
+    a.num_computed_tokens = 12
+    while a.num_computed_tokens < 41:  # one token a step: blocks behind the window are released as it goes
+        assert kv.allocate(a, 1) is not None
+        a.num_computed_tokens += 1
+    assert a.block_ids[:8] == [FREED_BLOCK] * 8
+    kv.free(a)  # blocks 0..9 cached; the free queue: 10 (uncached), 11, then 0..7 as released, then 9, 8
+    assert kv.allocate(make_request("d", 24, first_token=1000), 24) == [10, 11, 0, 1, 2, 3]  # evicts 0..3
+    b = make_request("b", 41)
+    hit = kv.lookup_prefix(b)
+    # the token at 40 reads 33..40: blocks 8 and 9, still cached
+    assert hit.num_tokens == 40 and hit.block_ids == [FREED_BLOCK] * 8 + [8, 9]
+    assert kv.allocate(b, 1, hit) == hit.block_ids + [4]
+    assert b.num_window_freed_blocks == 8

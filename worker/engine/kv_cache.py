@@ -117,13 +117,16 @@ class KVCacheManager:
     # --- verbs -------------------------------------------------------------------------------
 
     def lookup_prefix(self, request: Request) -> PrefixHit:
-        """The longest run of the request's leading full blocks already cached.
+        """The longest run of the request's leading full blocks already cached (with a window:
+        the longest whose blocks inside the window of the token after it are, `window_hit`).
 
         The last token is never covered (its logits must be computed), so at most
         (num_tokens - 1) // block_size blocks can hit."""
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return PrefixHit([], 0)  # prompt logprobs need every prompt position's logits computed
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.window is not None:  # the blocks before the next token's window need not be cached
+            return self.window_hit(request, max_blocks)
         self._extend_keys(request, max_blocks)
         hits = []
         for key in request.block_keys[:max_blocks]:
