@@ -25,3 +25,15 @@ class StackLayer:
     gate_up_bias: torch.Tensor | None
     down: object
     down_bias: torch.Tensor | None
+    # Gemma 2/3 (GemmaDecoderLayer): the MLP's sandwich norms [hidden] (both or None; with them the
+    # post-attention norm normalises the attention output alone), GeGLU, soft-capped attention
+    # logits, and Gemma 3's sliding layers' own rotary table (`cos_sin_local`)
+    pre_feedforward_norm: torch.Tensor | None = None
+    post_feedforward_norm: torch.Tensor | None = None
+    gelu: bool = False
+    softcap: float | None = None
+    local_rope: bool = False
+    # a sliding-window layer of a model whose KV may be split by kind (worker/models/kv_split.py):
+    # with a windowed pool passed, the layer reads that pool at `pool_index`, else the main one there
+    windowed: bool = False
+    pool_index: int = 0

@@ -397,10 +397,19 @@ class DecoderStack:
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
+        cos_sin_local: torch.Tensor | None = None,  # the local-rope layers' table
+        # A split model's windowed layers' pool [windowed layers, 2, blocks, kv heads, block size, head dim],
+        # its [num_tokens] slot mapping and metadata (the same sequences, its block tables); kv_cache
+        # then holds the other layers
+        window_pool: torch.Tensor | None = None,
+        window_slot_mapping: torch.Tensor | None = None,
+        window_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor | None:  # [num_tokens, hidden], final-normed; None: not a short-query step
         plan = _short_sequences(meta)
         short, has_long = plan.short, plan.has_long
-        if has_long or x.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+        pools = [kv_cache] if window_pool is None else [kv_cache, window_pool]
+        if has_long or x.dtype != torch.float32 or any(p.dtype != torch.float32 or not p.is_contiguous()
+                                                       for p in pools):
             return None
         return self._native.forward(
             x,
@@ -412,6 +421,10 @@ class DecoderStack:
             meta.seq_lens,
             meta.query_start_loc,
             short,
+            cos_sin_local,
+            window_pool,
+            None if window_slot_mapping is None else window_slot_mapping.contiguous(),
+            None if window_meta is None else window_meta.block_tables,
         )
 
 
@@ -436,14 +449,25 @@ def decoder_stack(
         native.add_layer(
             layer.input_norm.detach().contiguous(),
             layer.post_attention_norm.detach().contiguous(),
-            None if layer.q_norm is None else layer.q_norm.detach().contiguous(),
-            None if layer.k_norm is None else layer.k_norm.detach().contiguous(),
+            _optional(layer.q_norm),
+            _optional(layer.k_norm),
             _projection(module, layer.qkv, layer.qkv_bias),
             _projection(module, layer.o, layer.o_bias),
             _projection(module, layer.gate_up, layer.gate_up_bias),
             _projection(module, layer.down, layer.down_bias),
+            _optional(layer.pre_feedforward_norm),
+            _optional(layer.post_feedforward_norm),
+            layer.gelu,
+            layer.softcap or 0.0,
+            layer.local_rope,
+            layer.windowed,
+            layer.pool_index,
         )
     return DecoderStack(native, len(layers))
+
+
+def _optional(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().contiguous()
 
 
 def _projection(module, weight: PackedWeight | QuantizedWeight | QuantizedParts, bias: torch.Tensor | None):

@@ -18,7 +18,7 @@ from torch import nn
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata, QuantizedParts, QuantizedWeight
 from ferry.worker.models.config import ModelArch, rope_cos_sin_cache
-from ferry.worker.models.kv_split import WindowedKV, layer_kv
+from ferry.worker.models.kv_split import WindowedKV, kv_split, layer_kv
 from ferry.worker.models.lora_layers import LoraContext, LoraLinear
 from ferry.worker.models.moe import Experts, SparseMoe
 from ferry.worker.models.sharding import UNSHARDED, Shard, local_arch
@@ -280,16 +280,18 @@ class LlamaModel(nn.Module):
         stack runs every layer in one call, with no point between them for the all-reduces)."""
         if self.shard.size > 1 or not all(isinstance(layer.mlp, MLP) for layer in self.layers):
             return None  # (the native stack's layers have dense MLPs)
-        if self.arch.gemma is not None:
-            return None  # (the native stack implements Llama's layer only)
         projections = [
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in self.layers
         ]
         if not all(isinstance(p, PackedLinear) for group in projections for p in group):
             return None
-        layers = [
-            ops.StackLayer(
+        split = kv_split(self.arch)  # where the runner keeps the windowed layers' KV apart
+        layers = []
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, projections, strict=True)):
+            windowed, pool_index = split.pool_index(i) if split is not None else (False, i)
+            gemma = isinstance(layer, GemmaDecoderLayer)
+            layers.append(ops.StackLayer(
                 input_norm=layer.input_layernorm,
                 post_attention_norm=layer.post_attention_layernorm,
                 q_norm=layer.self_attn.q_norm,
@@ -302,9 +304,14 @@ class LlamaModel(nn.Module):
                 gate_up_bias=gate_up.bias,
                 down=down.weight,
                 down_bias=down.bias,
-            )
-            for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)
-        ]
+                pre_feedforward_norm=layer.pre_feedforward_layernorm if gemma else None,
+                post_feedforward_norm=layer.post_feedforward_layernorm if gemma else None,
+                gelu=layer.mlp.act_and_mul is ops.gelu_tanh_and_mul,
+                softcap=layer.self_attn.softcap,
+                local_rope=i in self._local_rope_layers,
+                windowed=windowed,
+                pool_index=pool_index,
+            ))
         attn = self.layers[0].self_attn
         return ops.decoder_stack(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.arch.rms_norm_eps, attn.scale, self.norm, layers
@@ -326,8 +333,12 @@ class LlamaModel(nn.Module):
         with ops.pinned_backend(x) as backend:
             adapted = self.lora is not None and self.lora.active  # (the native stack has no adapter slots)
             if (self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len
-                    and not adapted and windowed is None):  # (the native stack reads one pool)
-                hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta)
+                    and not adapted):
+                pools = {} if windowed is None else {"window_pool": windowed.pool,
+                                                     "window_slot_mapping": windowed.slot_mapping,
+                                                     "window_meta": windowed.meta}
+                hidden = self.native_stack.forward(x, positions, self.cos_sin, kv_cache, slot_mapping, meta,
+                                                   self.cos_sin_local, **pools)
                 if hidden is not None:  # a decode / verification step: all layers in one call
                     return hidden
             for i, layer in enumerate(self.layers):

@@ -17,6 +17,14 @@
 //   h, residual = rms_norm(x + residual)
 //   x           = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T + b
 // and after the last layer, rms_norm(x + residual) with the final norm.
+// Gemma 2/3 (GemmaDecoderLayer): attention logits soft-capped, Gemma 3's sliding layers rotated by
+// their own table, and sandwich norms with GeGLU:
+//   x           = rms_norm(attention output)                    (post-attention norm, no residual)
+//   h, residual = rms_norm(x + residual)                        (pre-feedforward norm)
+//   x           = rms_norm((gelu_tanh(h @ Wg^T) * (h @ Wu^T)) @ Wd^T)   (post-feedforward norm)
+// A hybrid model's windowed layers may keep their KV in a pool of their own (worker/models/kv_split.py):
+// given that pool, its slot mapping and block tables, each layer reads and writes its own pool at
+// its index there; without it, layer i is place i of the one pool.
 
 #include <string>
 #include <vector>
@@ -49,9 +57,23 @@ struct Projection {
 
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;  // [hidden]
-  c10::optional<torch::Tensor> q_norm, k_norm;     // [head_dim], Qwen3
+  c10::optional<torch::Tensor> q_norm, k_norm;     // [head_dim], Qwen3, Gemma 3
   Projection qkv, o, gate_up, down;
+  // Gemma: the MLP's sandwich norms [hidden] (both or neither); with them the post-attention norm
+  // normalises the attention output alone
+  c10::optional<torch::Tensor> pre_feedforward_norm, post_feedforward_norm;
+  bool gelu;          // GeGLU (gelu, tanh approximation) instead of SwiGLU
+  double softcap;     // attention logit soft-capping, 0 = off
+  bool local_rope;    // rotated by the second rotary table (Gemma 3's sliding layers)
+  bool windowed;      // a sliding-window layer: the windowed pool's, where the step passes one
+  int64_t pool_index; // its place in its own kind's pool
 };
+
+// GeGLU as kernels/reference.py's gelu_tanh_and_mul (the same ATen ops, so the same floats).
+torch::Tensor gelu_tanh_and_mul(const torch::Tensor& gate_up) {
+  const std::vector<torch::Tensor> halves = gate_up.split(gate_up.size(-1) / 2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
+}
 
 }  // namespace
 
@@ -68,27 +90,53 @@ class DecoderStack {
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, Projection qkv, Projection o, Projection gate_up,
-                 Projection down) {
+                 Projection down, c10::optional<torch::Tensor> pre_feedforward_norm,
+                 c10::optional<torch::Tensor> post_feedforward_norm, bool gelu, double softcap, bool local_rope,
+                 bool windowed, int64_t pool_index) {
     TORCH_CHECK(qkv.out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
                 "qkv projection width disagrees with the heads");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+    TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
+                "the feedforward sandwich norms come together");
+    TORCH_CHECK(softcap >= 0.0 && pool_index >= 0, "softcap and pool_index must not be negative");
     for (const Projection* p : {&qkv, &o, &gate_up, &down})
       TORCH_CHECK(p->format == "F32" || linear_quantized_supported(), "no native product for format ", p->format);
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm), std::move(k_norm),
-                            std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+                            std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
+                            std::move(pre_feedforward_norm), std::move(post_feedforward_norm), gelu, softcap,
+                            local_rope, windowed, pool_index});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x: [T, hidden] float32, the embeddings (read, not written); kv_cache: [L, 2, blocks, Hkv, block, D];
   // the attention metadata as paged_attention_short takes it (seq_indices: every sequence).
+  // cos_sin_local: the local layers' rotary table, where some layer has local_rope. A hybrid
+  // model's windowed pool: window_kv_cache [windowed layers, 2, blocks, Hkv, block, D] with its
+  // slot mapping and block tables (kv_cache then holds the other layers only).
   // Returns the final-normed hidden states [T, hidden].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
                         const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices) const {
-    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() && kv_cache.is_contiguous(),
-                "kv_cache must be a contiguous [layers, 2, blocks, kv heads, block size, head dim] pool");
+                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices,
+                        const c10::optional<torch::Tensor>& cos_sin_local,
+                        const c10::optional<torch::Tensor>& window_kv_cache,
+                        const c10::optional<torch::Tensor>& window_slot_mapping,
+                        const c10::optional<torch::Tensor>& window_block_tables) const {
+    const bool split = window_kv_cache.has_value();
+    TORCH_CHECK(!split || (window_slot_mapping.has_value() && window_block_tables.has_value()),
+                "a windowed pool comes with its slot mapping and block tables");
+    int64_t num_windowed = 0;
+    for (const Layer& layer : layers_) {
+      num_windowed += layer.windowed;
+      TORCH_CHECK(!layer.local_rope || cos_sin_local.has_value(), "a local-rope layer needs cos_sin_local");
+    }
+    for (const torch::Tensor* pool : {&kv_cache, split ? &*window_kv_cache : &kv_cache})
+      TORCH_CHECK(pool->dim() == 6 && pool->is_contiguous(),
+                  "kv pools must be contiguous [layers, 2, blocks, kv heads, block size, head dim]");
+    TORCH_CHECK(kv_cache.size(0) == (split ? num_layers() - num_windowed : num_layers()) &&
+                    (!split || window_kv_cache->size(0) == num_windowed),
+                "the kv pools' layers disagree with the stack's");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [tokens, hidden]");
     const int64_t T = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor hidden = x;
@@ -104,19 +152,34 @@ class DecoderStack {
         q = rms_norm(q.reshape({-1, head_dim_}), c10::nullopt, *layer.q_norm, eps_).view({T, num_heads_, head_dim_});
         k = rms_norm(k.reshape({-1, head_dim_}), c10::nullopt, *layer.k_norm, eps_).view({T, num_kv_heads_, head_dim_});
       }
-      const torch::Tensor k_cache = kv_cache.select(0, i).select(0, 0);
-      const torch::Tensor v_cache = kv_cache.select(0, i).select(0, 1);
-      rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping);
+      const bool own_pool = split && layer.windowed;  // this layer's pool, slots and tables
+      const torch::Tensor& pool = own_pool ? *window_kv_cache : kv_cache;
+      const torch::Tensor layer_kv = pool.select(0, split ? layer.pool_index : i);
+      const torch::Tensor k_cache = layer_kv.select(0, 0), v_cache = layer_kv.select(0, 1);
+      rotary_write_kv(q, k, v, positions, layer.local_rope ? *cos_sin_local : cos_sin, k_cache, v_cache,
+                      own_pool ? *window_slot_mapping : slot_mapping);
       torch::Tensor attended = torch::empty({T, num_heads_, head_dim_}, x.options());
-      paged_attention_short(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_indices, scale_, attended);
+      paged_attention_short(q, k_cache, v_cache, own_pool ? *window_block_tables : block_tables, seq_lens,
+                            query_start_loc, seq_indices, scale_, attended, 0, layer.softcap);
       hidden = layer.o(attended.view({T, q_size}));
+      if (layer.pre_feedforward_norm.has_value()) {  // Gemma's sandwich
+        hidden = rms_norm(hidden, c10::nullopt, layer.post_attention_norm, eps_);
+        h = add_and_norm(hidden, residual, *layer.pre_feedforward_norm);
+        hidden = rms_norm(layer.down(activate(layer, layer.gate_up(h))), c10::nullopt, *layer.post_feedforward_norm,
+                          eps_);
+        continue;
+      }
       h = add_and_norm(hidden, residual, layer.post_attention_norm);
-      hidden = layer.down(silu_and_mul(layer.gate_up(h)));
+      hidden = layer.down(activate(layer, layer.gate_up(h)));
     }
     return add_and_norm(hidden, residual, final_norm_);
   }
 
  private:
+  static torch::Tensor activate(const Layer& layer, const torch::Tensor& gate_up) {
+    return layer.gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+  }
+
   // rms_norm(x + residual) with residual updated in place; the first call adopts x as the residual
   // (as llama.py does), so x must not be written afterwards: it is a fresh tensor or the caller's
   // embeddings, which rms_norm only reads here.
