@@ -2,13 +2,16 @@
 Ferry serves natively, at a SmolLM2-135M-sized shape with random weights.
 
 Families (hidden 576, 9 heads, 3 KV heads, vocab 49152, tied embeddings, float32; every family
-`--layers` decoder layers, default 12 of SmolLM2's 30, so the five MoE-heavy models and their
+`--layers` decoder layers, default 12 of SmolLM2's 30, so the MoE-heavy models and their
 transformers baselines fit the full run in about 10 minutes on 2 cores):
   llama        dense Llama, intermediate 1536 (the baseline shape)
   phi3         Phi-3: fused qkv_proj and gate_up_proj, intermediate 1536
   mixtral      Mixtral: 8 experts of intermediate 1536, top-2 (every layer sparse)
   qwen2_moe    Qwen2-MoE: 8 experts of 384, top-2, plus a shared expert of 1536 (sigmoid-gated)
   qwen3_moe    Qwen3-MoE: 8 experts of 768, top-2 renormalised, q/k RMSNorm
+  gemma2       Gemma 2: GeGLU, sandwich norms, soft-capped attention and logits, every other layer
+               a sliding window (4096: these sequences fit it), head dim 64
+  gemma3       Gemma 3 (text): five of six layers sliding with their own rotary base, q/k RMSNorm
 Each checkpoint is made once by transformers (config, random init with seed 0, save_pretrained)
 under .ferry/bench-models/<family>-<layers>l-random and reused.
 
@@ -17,9 +20,9 @@ Systems, on the same weights and the same prompts:
   fallback      (llama only) `LLM(model_impl="transformers")`: the transformers fallback, the
                 model's transformers code with Ferry's paged attention; its figure against
                 native Ferry is the issue's other goal (at least 0.8x at batch 32)
-  transformers  `model.generate` (sdpa attention; MoE experts by transformers' default experts
-                implementation, `grouped_mm` in 5.x), all of a batch's prompts in one call; the
-                prompts have equal lengths, so there is no padding
+  transformers  `model.generate` (sdpa attention, Gemma 2's eager as transformers allows; MoE
+                experts by transformers' default experts implementation, `grouped_mm` in 5.x), all of
+                a batch's prompts in one call; the prompts have equal lengths, so there is no padding
 
 Workload: `--prompt` random token ids per prompt (default 32, seeded; 32 distinct prompts),
 `--tokens` new tokens per request (default 64), greedy, EOS ignored; batch 1 (the first prompt)
@@ -68,6 +71,8 @@ FAMILIES = {  # name -> (transformers config class, model class, fields beyond S
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 768, "norm_topk_prob": True,
         "head_dim": 64}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64, "query_pre_attn_scalar": 64}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "query_pre_attn_scalar": 64}),
 }
 GOAL = ("mixtral", 5.0)  # issue 36: the 8-expert top-2 shape at the big batch, at least 5x transformers
 FALLBACK_GOAL = ("llama", 0.8)  # issue 36: the transformers fallback at the big batch, at least 0.8x native
@@ -170,7 +175,9 @@ def bench_family(family: str, args: argparse.Namespace, prompts: list[list[int]]
     kv_bytes = 2 * args.batch * (args.prompt + args.tokens + 32) * args.layers * 2 * 3 * 64 * 4  # twice the need
     llm = LLM(str(path), max_model_len=args.prompt + args.tokens + 32, kv_cache_bytes=kv_bytes,
               max_num_seqs=max(args.batch, 1), quantization=args.quantization)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation="sdpa").eval()
+    # sdpa where transformers has it for the family; Gemma 2's soft-capped attention is eager only
+    attention = "eager" if family == "gemma2" else "sdpa"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation=attention).eval()
     fallback = None
     if family == FALLBACK_GOAL[0] and args.quantization == "none":
         fallback = LLM(str(path), max_model_len=args.prompt + args.tokens + 32, kv_cache_bytes=kv_bytes,
