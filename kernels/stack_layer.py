@@ -33,6 +33,7 @@ class StackLayer:
     gelu: bool = False
     softcap: float | None = None
     local_rope: bool = False
+    window: int | None = None  # sliding-window attention over this many positions; None: full
     # a sliding-window layer of a model whose KV may be split by kind (worker/models/kv_split.py):
     # with a windowed pool passed, the layer reads that pool at `pool_index`, else the main one there
     windowed: bool = False

@@ -10,6 +10,7 @@ import torch
 
 from ferry.worker.engine import Engine
 from ferry.worker.engine.model_runner import SeqChunk
+from ferry.worker.models.kv_split import kv_split
 
 BLOCK = 16
 
@@ -33,7 +34,7 @@ def _tables(lengths: list[int], first_block: int = 1) -> list[list[int]]:
 ODD_SHAPE = dict(hidden_size=72, num_heads=3, num_kv_heads=1, head_dim=40)
 # And widths that are no multiple of the 8-float vectors anywhere (hidden 36, head dim 12).
 NARROW = dict(hidden_size=36, num_heads=3, num_kv_heads=3, head_dim=12)
-# Windows wider than every context here, so the stack runs: Gemma 2 every other layer (soft-capped
+# Windows wider than every context here: Gemma 2 every other layer (soft-capped
 # attention), Gemma 3 one in two (q/k norms, its own rotary table for the local layers), Qwen2 from
 # max_window_layers on; each keeps its windowed layers' KV in a pool of their own.
 GEMMA2 = dict(head_dim=16, num_layers=4, sliding_window=512, attn_logit_softcapping=5.0, query_pre_attn_scalar=24)
@@ -52,6 +53,9 @@ CASES = [
     ("gemma2", GEMMA2),
     ("gemma3_text", GEMMA3),
     ("qwen2", QWEN2_HYBRID),
+    # Windows shorter than the contexts (up to 146 tokens): the stack's layers attend over them
+    ("mistral", dict(sliding_window=32)),
+    ("gemma2", {**GEMMA2, "sliding_window": 32}),
 ]
 
 
@@ -66,8 +70,7 @@ def _randomise_norms(model) -> None:
 
 
 @pytest.mark.parametrize(("arch", "shape"), CASES,
-                         ids=[f"{a}-{s.get('hidden_size', 'hybrid' if 'sliding_window' in s else 'default')}"
-                              for a, s in CASES])
+                         ids=[f"{a}-{s.get('hidden_size', s.get('sliding_window', 'default'))}" for a, s in CASES])
 def test_stack_matches_layer_by_layer(tiny_model_factory, arch, shape):
     runner = _engine(tiny_model_factory(arch, **shape)).runner
     model = runner.model
@@ -75,7 +78,7 @@ def test_stack_matches_layer_by_layer(tiny_model_factory, arch, shape):
     model.native_stack = model._build_native_stack()
     stack = model.native_stack
     assert stack is not None and stack.num_layers == len(model.layers)
-    assert (runner.window_kv_cache is not None) == ("sliding_window" in shape)
+    assert (runner.window_kv_cache is not None) == (kv_split(model.arch) is not None)
     pools = [p for p in (runner.kv_cache, runner.window_kv_cache) if p is not None]
     vocab = model.arch.vocab_size
     generator = torch.Generator().manual_seed(0)

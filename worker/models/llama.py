@@ -225,9 +225,6 @@ class LlamaModel(nn.Module):
         self.lm_head_packed = None  # the head packed for the CPU product, once pack_weights() ran
         self.native_stack = None  # every layer as one native call for decode steps, once pack_weights() ran
         self.lora: LoraContext | None = None  # the step's adapter rows, once lora_layers.attach_lora() ran
-        # The native stack attends over whole contexts: it runs steps whose contexts fit every window.
-        windows = [w for w in arch.layer_windows if w is not None]
-        self._stack_max_seq_len = min(windows, default=float("inf"))
 
     @property
     def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:
@@ -309,6 +306,7 @@ class LlamaModel(nn.Module):
                 gelu=layer.mlp.act_and_mul is ops.gelu_tanh_and_mul,
                 softcap=layer.self_attn.softcap,
                 local_rope=i in self._local_rope_layers,
+                window=layer.self_attn.window,
                 windowed=windowed,
                 pool_index=pool_index,
             ))
@@ -332,8 +330,7 @@ class LlamaModel(nn.Module):
         residual = None
         with ops.pinned_backend(x) as backend:
             adapted = self.lora is not None and self.lora.active  # (the native stack has no adapter slots)
-            if (self.native_stack is not None and backend == "cpu" and meta.max_seq_len <= self._stack_max_seq_len
-                    and not adapted):
+            if self.native_stack is not None and backend == "cpu" and not adapted:
                 pools = {} if windowed is None else {"window_pool": windowed.pool,
                                                      "window_slot_mapping": windowed.slot_mapping,
                                                      "window_meta": windowed.meta}

@@ -17,6 +17,7 @@
 //   h, residual = rms_norm(x + residual)
 //   x           = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T + b
 // and after the last layer, rms_norm(x + residual) with the final norm.
+// Sliding-window layers attend over their window where the step's longest context exceeds it.
 // Gemma 2/3 (GemmaDecoderLayer): attention logits soft-capped, Gemma 3's sliding layers rotated by
 // their own table, and sandwich norms with GeGLU:
 //   x           = rms_norm(attention output)                    (post-attention norm, no residual)
@@ -64,6 +65,7 @@ struct Layer {
   c10::optional<torch::Tensor> pre_feedforward_norm, post_feedforward_norm;
   bool gelu;          // GeGLU (gelu, tanh approximation) instead of SwiGLU
   double softcap;     // attention logit soft-capping, 0 = off
+  int64_t window;     // sliding window in positions, 0 = full attention
   bool local_rope;    // rotated by the second rotary table (Gemma 3's sliding layers)
   bool windowed;      // a sliding-window layer: the windowed pool's, where the step passes one
   int64_t pool_index; // its place in its own kind's pool
@@ -91,26 +93,27 @@ class DecoderStack {
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, Projection qkv, Projection o, Projection gate_up,
                  Projection down, c10::optional<torch::Tensor> pre_feedforward_norm,
-                 c10::optional<torch::Tensor> post_feedforward_norm, bool gelu, double softcap, bool local_rope,
-                 bool windowed, int64_t pool_index) {
+                 c10::optional<torch::Tensor> post_feedforward_norm, bool gelu, double softcap, int64_t window,
+                 bool local_rope, bool windowed, int64_t pool_index) {
     TORCH_CHECK(qkv.out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
                 "qkv projection width disagrees with the heads");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
     TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
                 "the feedforward sandwich norms come together");
-    TORCH_CHECK(softcap >= 0.0 && pool_index >= 0, "softcap and pool_index must not be negative");
+    TORCH_CHECK(softcap >= 0.0 && window >= 0 && pool_index >= 0, "softcap, window and pool_index must not be negative");
     for (const Projection* p : {&qkv, &o, &gate_up, &down})
       TORCH_CHECK(p->format == "F32" || linear_quantized_supported(), "no native product for format ", p->format);
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm), std::move(k_norm),
                             std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
-                            std::move(pre_feedforward_norm), std::move(post_feedforward_norm), gelu, softcap,
+                            std::move(pre_feedforward_norm), std::move(post_feedforward_norm), gelu, softcap, window,
                             local_rope, windowed, pool_index});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x: [T, hidden] float32, the embeddings (read, not written); kv_cache: [L, 2, blocks, Hkv, block, D];
-  // the attention metadata as paged_attention_short takes it (seq_indices: every sequence).
+  // the attention metadata as paged_attention_short takes it (seq_indices: every sequence), and the
+  // longest context: a layer's window applies where it is shorter (else full attention is the same).
   // cos_sin_local: the local layers' rotary table, where some layer has local_rope. A hybrid
   // model's windowed pool: window_kv_cache [windowed layers, 2, blocks, Hkv, block, D] with its
   // slot mapping and block tables (kv_cache then holds the other layers only).
@@ -119,7 +122,7 @@ class DecoderStack {
                         const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                         const torch::Tensor& query_start_loc, const torch::Tensor& seq_indices,
-                        const c10::optional<torch::Tensor>& cos_sin_local,
+                        int64_t max_seq_len, const c10::optional<torch::Tensor>& cos_sin_local,
                         const c10::optional<torch::Tensor>& window_kv_cache,
                         const c10::optional<torch::Tensor>& window_slot_mapping,
                         const c10::optional<torch::Tensor>& window_block_tables) const {
@@ -159,8 +162,9 @@ class DecoderStack {
       rotary_write_kv(q, k, v, positions, layer.local_rope ? *cos_sin_local : cos_sin, k_cache, v_cache,
                       own_pool ? *window_slot_mapping : slot_mapping);
       torch::Tensor attended = torch::empty({T, num_heads_, head_dim_}, x.options());
+      const int64_t window = layer.window > 0 && layer.window < max_seq_len ? layer.window : 0;
       paged_attention_short(q, k_cache, v_cache, own_pool ? *window_block_tables : block_tables, seq_lens,
-                            query_start_loc, seq_indices, scale_, attended, 0, layer.softcap);
+                            query_start_loc, seq_indices, scale_, attended, window, layer.softcap);
       hidden = layer.o(attended.view({T, q_size}));
       if (layer.pre_feedforward_norm.has_value()) {  // Gemma's sandwich
         hidden = rms_norm(hidden, c10::nullopt, layer.post_attention_norm, eps_);
