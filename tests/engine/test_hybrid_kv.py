@@ -177,3 +177,26 @@ def test_a_snapshot_of_a_hybrid_model_carries_both_pools_kv(tiny_model_factory, 
     assert one_pool.engine.runner.window_kv_cache is None
     one_pool.generate([prompt], params, use_tqdm=False)
     torch.testing.assert_close(one_pool.engine.prefix_blocks.read(keys), kv)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_a_short_pool_preempts_and_speculation_trims_both_pools(tiny_model_factory, speculative):
+    """Gemma 2 with a 16-token window on a pool too small for its requests: preemption frees both
+    pools' blocks, proposals' lookahead blocks are taken and trimmed in both, and every request
+    still gets transformers' tokens, past its window."""
+    model_dir = tiny_model_factory("gemma2", head_dim=16, num_layers=4, sliding_window=16)
+    probe = LLM(str(model_dir), max_model_len=128)
+    per_block = probe.engine.runner.bytes_per_block(probe.engine.arch, 16, torch.float32)
+    spec = {"speculative": {"method": "ngram", "measure_speedup": False, "min_acceptance_rate": 0.0}}
+    # 12 blocks of every layer for 8 requests of up to 82 tokens: preemption is certain.
+    llm = LLM(str(model_dir), max_model_len=128, kv_cache_bytes=12 * per_block, max_num_seqs=8,
+              **(spec if speculative else {}))
+    assert isinstance(llm.engine.core.kv, HybridKVCacheManager)
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
+    if speculative:
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    _assert_all_free(llm)
