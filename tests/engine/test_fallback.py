@@ -13,6 +13,7 @@ import torch
 from ferry.worker.engine import LLM, EngineConfig, SamplingParams, TensorParallelError
 from ferry.worker.models.config import UnsupportedModelError
 from ferry.worker.models.fallback import FallbackModel
+from ferry.worker.models.llama import PackedLinear
 from tests.engine.test_hf_parity import GREEDY, _assert_all_free, _prompts, _reference
 
 FALLBACK_CASES = {
@@ -49,10 +50,32 @@ def test_greedy_matches_transformers(tiny_model_factory, case, caplog):
     assert llm.engine.arch.implementation == "transformers"
     assert isinstance(llm.engine.runner.model, FallbackModel)
     assert any("model implementation: transformers fallback" in r.getMessage() for r in caplog.records)
+    # The model's linear layers (the LM head too) run Ferry's packed CPU product
+    linears = [m for m in llm.engine.runner.model.hf.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
     prompts = _prompts(llm.engine.arch.vocab_size)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == _reference(model_dir, prompts)
     _assert_all_free(llm)
+
+
+class _WrongProduct(PackedLinear):
+    """A packed product that computes something else (as modeling code that reads a Linear's weight
+    itself would go wrong once it is packed)."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_packing_that_moves_the_logits_is_undone(tiny_model_factory, monkeypatch):
+    monkeypatch.setattr("ferry.worker.models.fallback.PackedLinear", _WrongProduct)
+    model_dir = tiny_model_factory("olmo2")
+    llm = LLM(str(model_dir))
+    model = llm.engine.runner.model
+    assert not any(isinstance(m, PackedLinear) for m in model.hf.modules())
+    assert model.head is model.hf.get_output_embeddings() and type(model.head) is torch.nn.Linear
+    prompts = _prompts(llm.engine.arch.vocab_size)[:3]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == _reference(model_dir, prompts)
 
 
 def test_chunks_preemption_prefix_cache_and_ngram_proposals_on_the_fallback(tiny_model_factory):

@@ -10,6 +10,11 @@ row" of all scheduled tokens, each with its own position) attends to its own pag
 No causal mask is built (`ferry_paged` has no mask function): the paged metadata is the mask.
 Continuous batching, chunked prefill, the prefix cache, snapshots and speculative decoding work
 unchanged, because they only see the KV pool and the step's metadata.
+
+On the CPU the model's `nn.Linear` layers (the LM head included) are swapped for Ferry's packed
+products (`PackedLinear`, as the native decoder's), which torch's own float32 matmul trails by up
+to 2x on some CPUs; the model's logits are checked against its unpacked forward, and a model whose
+code reads a Linear's weight itself keeps its layers as they were.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata
 from ferry.worker.models.config import ModelArch, RopeConfig, UnsupportedModelError, rope_parameters
+from ferry.worker.models.llama import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -178,23 +184,67 @@ class FallbackModel(nn.Module):
 
 def load_fallback_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> FallbackModel:
     """transformers' model on `device` in `dtype` with `ferry_paged` attention, its logits checked
-    against transformers' own forward (a head Ferry cannot reproduce is refused)."""
+    against transformers' own forward (a head Ferry cannot reproduce is refused), its linear layers
+    packed for the CPU product where that keeps the logits."""
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     hf_model = hf_model.to(device).eval()
     model = FallbackModel(hf_model, arch)
-    _check_logits(model)
+    expected = _check_logits(model)
+    packed = _pack_linears(model, expected)
+    if packed:
+        log.info("transformers fallback: %d linear layers packed for the CPU product", packed)
     hf_model.set_attn_implementation(ATTENTION_NAME)
     return model
 
 
+_CHECK_IDS = 4  # tokens the load-time logit checks run
+
+
 @torch.inference_mode()
-def _check_logits(model: FallbackModel) -> None:
+def _logits(model: FallbackModel) -> torch.Tensor:
+    """Decoder + head + the known logit processing on a few tokens (eager attention)."""
+    ids = torch.arange(1, 1 + _CHECK_IDS, device=model.hf.device)[None] % model.arch.vocab_size
+    return model.compute_logits(model.decoder(input_ids=ids, use_cache=False).last_hidden_state[0])
+
+
+@torch.inference_mode()
+def _check_logits(model: FallbackModel) -> torch.Tensor:
     """transformers' forward (eager attention) against decoder + head + the known logit processing on a few
-    tokens: a model whose head does something else is refused rather than served wrong."""
-    ids = torch.arange(1, 5, device=model.head.weight.device)[None] % model.arch.vocab_size
+    tokens: a model whose head does something else is refused rather than served wrong. Returns the logits."""
+    ids = torch.arange(1, 1 + _CHECK_IDS, device=model.head.weight.device)[None] % model.arch.vocab_size
     expected = model.hf(input_ids=ids, use_cache=False).logits[0].float()
-    got = model.compute_logits(model.decoder(input_ids=ids, use_cache=False).last_hidden_state[0])
+    got = _logits(model)
     if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
         raise UnsupportedModelError(
             f"{model.arch.architecture} changes its logits after the LM head in a way Ferry does not reproduce"
         )
+    return got
+
+
+def _pack_linears(model: FallbackModel, expected: torch.Tensor) -> int:
+    """Swap every plain nn.Linear of the model for a PackedLinear where the CPU backend packs its
+    weight; undone (returning 0) where the logits then differ from `expected` or the forward fails
+    (modeling code that reads a Linear's weight tensor itself). Returns how many were swapped."""
+    swapped = []  # (parent module, attribute, the original Linear)
+    for parent in list(model.hf.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            packed = ops.pack_linear_weight(child.weight.detach())
+            if packed is not None:
+                setattr(parent, name, PackedLinear(packed, child.bias))
+                swapped.append((parent, name, child))
+    if not swapped:
+        return 0
+    model.head = model.hf.get_output_embeddings()
+    try:
+        if torch.allclose(_logits(model), expected, rtol=1e-3, atol=1e-3):
+            return len(swapped)
+        reason = "its logits moved"
+    except Exception as exc:  # modeling code that reads a Linear's weight itself
+        reason = f"{type(exc).__name__}: {exc}"
+    for parent, name, original in swapped:
+        setattr(parent, name, original)
+    model.head = model.hf.get_output_embeddings()
+    log.info("transformers fallback: %s keeps torch's linear layers (packed: %s)", model.arch.architecture, reason)
+    return 0
