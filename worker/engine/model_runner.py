@@ -86,8 +86,9 @@ class ModelRunner:
             raise ValueError(f"a windowed KV pool needs both full and sliding-window layers; {arch.architecture} "
                              "has one kind")
         pool_layers = arch.num_layers if self.split is None else len(self.split.full_layers)
-        # One pool for all layers: [layer, K/V, block, kv head, slot, head dim]. Zeroed so that
-        # padded positions read by the CPU path are finite (they are masked out).
+        # The pool: [layer, K/V, block, kv head, slot, head dim] (every layer, or a hybrid model's
+        # full-attention ones). Zeroed so that padded positions read by the CPU path are finite
+        # (they are masked out).
         kv_shape = (arch.num_kv_heads, block_size, arch.head_dim)
         self.kv_cache = zeroed_pool((pool_layers, 2, num_blocks, *kv_shape), dtype, self.device)
         self.window_kv_cache = None if self.split is None else zeroed_pool(
