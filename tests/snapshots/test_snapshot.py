@@ -85,6 +85,27 @@ def test_round_trip_through_llm(llama_dir, url):
     assert warm.num_cached_tokens == 36 and warm.token_ids == cold.token_ids
 
 
+def test_round_trip_of_a_hybrid_model_carries_both_pools(tiny_model_factory, url):
+    """Gemma 2 (every other layer a 16-token window, its KV in a pool of its own) past its window:
+    the snapshot carries every layer's KV of the blocks both pools hold, and a fresh engine decodes
+    the prompt from them as the first one did."""
+    from ferry.worker.engine import LLM, SamplingParams
+    from ferry.worker.engine.hybrid_kv import HybridKVCacheManager
+
+    model_dir = tiny_model_factory("gemma2", head_dim=16, num_layers=4, sliding_window=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = LLM(str(model_dir), block_size=BS, max_model_len=128)
+    assert isinstance(first.engine.kv, HybridKVCacheManager)
+    [cold] = first.generate([PROMPT], params, use_tqdm=False)
+    info = save_snapshot(first.engine, url)
+    assert info.blocks == 10  # 43 tokens of KV: 10 full blocks, each in both pools
+
+    second = LLM(str(model_dir), block_size=BS, max_model_len=128)
+    assert restore_snapshot(second.engine, url).blocks == 10
+    [warm] = second.generate([PROMPT], params, use_tqdm=False)
+    assert warm.num_cached_tokens == 36 and warm.token_ids == cold.token_ids
+
+
 def test_empty_or_unchanged_cache_writes_nothing(make_engine, restored_engine, url):
     engine, stats = make_engine(), SnapshotStats()
     assert save_snapshot(engine, url, stats=stats) is None  # an idle worker never replaces a useful snapshot
