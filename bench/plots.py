@@ -404,6 +404,29 @@ def plot_s3_readers(data: dict, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "s3_readers.png")]
 
 
+def plot_window_kv(data: dict, out_dir: Path) -> list[Path]:
+    """KV a sequence holds as it grows past its sliding window (bench.window_kv): per run, the
+    blocks of one layer held at each step, against one pool that keeps every block of every layer."""
+    runs = [r for r in data.get("results") or [] if r.get("series_tokens_and_layer_blocks")]
+    if not runs:
+        return []
+    fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.6), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        tokens, held = zip(*run["series_tokens_and_layer_blocks"], strict=True)
+        block, layers = run["block_size"], run["layers"]
+        ax.plot(tokens, held, color="tab:green", label="Ferry")
+        ax.plot(tokens, [-(-t // block) * layers for t in tokens], color="tab:gray", linestyle="--",
+                label="every block kept")
+        ax.axvline(run["window"], color="black", linewidth=0.6)
+        shape = "every layer windowed" if run["family"] == "mistral" else (
+            f"{run['full_layers']} full + {run['window_layers']} windowed layers")
+        ax.set_title(f"{run['family']} ({shape}), window {run['window']}", fontsize=9)
+        ax.set_xlabel("tokens in the sequence")
+        ax.set_ylabel(f"KV held (blocks of {block} tokens x layer)")
+        ax.legend(fontsize=8)
+    return [_save(fig, out_dir / "window_kv.png")]
+
+
 def _get_model(data: dict) -> str:
     return (data.get("settings") or {}).get("model", "model")
 
@@ -431,7 +454,7 @@ def render_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
         "throughput": plot_throughput, "prefix": plot_prefix, "queue": plot_queue, "specdec": plot_specdec,
         "batch": plot_batch, "linear_cpu": plot_linear_cpu, "quantized": plot_quantized,
         "redis_capacity": plot_redis_capacity, "structured": plot_structured, "lora": plot_lora,
-        "lora_fleet": plot_lora_fleet, "s3_readers": plot_s3_readers,
+        "lora_fleet": plot_lora_fleet, "s3_readers": plot_s3_readers, "window_kv": plot_window_kv,
     }
     paths = []
     for suite, data in results.items():

@@ -26,7 +26,8 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUANTIZED_SUITES = ("quantized", "quantized_avx2", "quantized_q4_k_m", "quantized_q4_k_m_avx2", "quantized_q5_k_m",
                     "quantized_q6_k")
 SUITE_NAMES = ("throughput", "prefix", "queue", "api", "specdec", "kernels", "linear_cpu", "cold_start", "s3_readers",
-               *QUANTIZED_SUITES, "redis_capacity", "model_families", "model_families_int8", "lora", "lora_fleet")
+               *QUANTIZED_SUITES, "redis_capacity", "model_families", "model_families_int8", "lora", "lora_fleet",
+               "window_kv")
 
 
 @dataclass
@@ -340,11 +341,23 @@ def lora_fleet_rows(data: dict) -> list[Row]:
     return [r for r in rows if r.ferry is not None and r.baseline is not None]
 
 
+def window_kv_rows(data: dict) -> list[Row]:
+    """KV a sequence 4x past its sliding window holds, against one pool keeping every block."""
+    rows = []
+    for run in data.get("results") or []:
+        shape = "every layer windowed" if run.get("family") == "mistral" else "full + windowed layers"
+        rows.append(Row("window_kv", f"KV held (layer-blocks), {run.get('family')} ({shape}), "
+                        f"{run.get('sequence_tokens')} tokens past a {run.get('window')}-token window",
+                        run.get("kv_layer_blocks_held"), run.get("kv_layer_blocks_without_release"),
+                        "every block kept", False))
+    return [r for r in rows if r.ferry is not None and r.baseline is not None]
+
+
 READERS = {
     "throughput": throughput_rows, "prefix": prefix_rows, "queue": queue_rows, "specdec": specdec_rows, "api": api_rows,
     "linear_cpu": linear_cpu_rows, "cold_start": cold_start_rows, "s3_readers": s3_readers_rows,
     "model_families": model_families_rows, "model_families_int8": model_families_rows,
-    "lora": lora_rows, "lora_fleet": lora_fleet_rows,
+    "lora": lora_rows, "lora_fleet": lora_fleet_rows, "window_kv": window_kv_rows,
     **{suite: quantized_rows for suite in QUANTIZED_SUITES},
 }
 

@@ -28,12 +28,14 @@ def held_blocks(window: int, block: int, prompt_tokens: int = 16) -> dict:
                            max_position_embeddings=prompt_tokens + 4 * window + 16)
     with tempfile.TemporaryDirectory() as tmp:
         llm = _engine(MistralForCausalLM(config), Path(tmp), block)
-        held = max(used for used, _ in _run(llm, window, prompt_tokens))
+        steps = _run(llm, window, prompt_tokens)
+    held = max(used for _, used, _ in steps)
     tokens = prompt_tokens + 4 * window
     whole = -(-tokens // block)
     return {"family": "mistral", "window": window, "block_size": block, "sequence_tokens": tokens,
             "max_blocks_held": held, "held_over_window": round(held * block / window, 3),
-            "blocks_without_release": whole, "without_release_over_window": round(whole * block / window, 3)}
+            "blocks_without_release": whole, "without_release_over_window": round(whole * block / window, 3),
+            **_layer_blocks(steps, block, full_layers=0, window_layers=2)}
 
 
 def hybrid_held(window: int, block: int, prompt_tokens: int = 16) -> dict:
@@ -45,19 +47,30 @@ def hybrid_held(window: int, block: int, prompt_tokens: int = 16) -> dict:
                           max_position_embeddings=prompt_tokens + 4 * window + 16)
     with tempfile.TemporaryDirectory() as tmp:
         llm = _engine(Gemma2ForCausalLM(config), Path(tmp), block)
-        held = _run(llm, window, prompt_tokens)
+        steps = _run(llm, window, prompt_tokens)
         full_layers, window_layers = llm.engine.runner.kv_cache.shape[0], llm.engine.runner.window_kv_cache.shape[0]
-    tokens = prompt_tokens + 4 * window
-    whole = -(-tokens // block)
-    windowed = max(w for _, w in held)
-    # KV in blocks of one layer: the most the sequence held at once, against one pool keeping everything
-    layer_blocks = max(f * full_layers + w * window_layers for f, w in held)
-    without_release = whole * (full_layers + window_layers)
-    return {"family": "gemma2", "window": window, "block_size": block, "sequence_tokens": tokens,
+    windowed = max(w for _, _, w in steps)
+    return {"family": "gemma2", "window": window, "block_size": block, "sequence_tokens": prompt_tokens + 4 * window,
             "full_layers": full_layers, "window_layers": window_layers, "max_window_blocks_held": windowed,
             "window_held_over_window": round(windowed * block / window, 3),
-            "kv_layer_blocks_held": layer_blocks, "kv_layer_blocks_without_release": without_release,
-            "kv_held_over_without_release": round(layer_blocks / without_release, 3)}
+            **_layer_blocks(steps, block, full_layers, window_layers)}
+
+
+def _layer_blocks(steps: list[tuple[int, int, int]], block: int, full_layers: int, window_layers: int) -> dict:
+    """KV in blocks of one layer (what a block of every layer is made of): the most the sequence
+    held, against one pool keeping every block of every layer; and per step (tokens computed, held).
+    A model with one pool (every layer windowed) counts its blocks as windowed layers' ones."""
+    layers = full_layers + window_layers
+
+    def layer_blocks(main: int, windowed: int) -> int:
+        return main * full_layers + windowed * window_layers if full_layers else main * layers
+
+    series = [(computed, layer_blocks(main, windowed)) for computed, main, windowed in steps]
+    held = max(h for _, h in series)
+    whole = -(-max(c for c, _ in series) // block) * layers
+    return {"kv_layer_blocks_held": held, "kv_layer_blocks_without_release": whole,
+            "kv_held_over_without_release": round(held / whole, 3), "layers": layers,
+            "series_tokens_and_layer_blocks": series}
 
 
 def _engine(model, directory: Path, block: int):
@@ -70,9 +83,9 @@ def _engine(model, directory: Path, block: int):
     return LLM(str(directory), block_size=block)
 
 
-def _run(llm, window: int, prompt_tokens: int) -> list[tuple[int, int]]:
-    """Generate 4x the window; per step (blocks in use: a hybrid model's full layers' pool's, its
-    windowed pool's (0 for a model with one pool))."""
+def _run(llm, window: int, prompt_tokens: int) -> list[tuple[int, int, int]]:
+    """Generate 4x the window; per step (tokens computed, blocks in use in the main pool (a hybrid
+    model's full layers'), in a hybrid model's windowed pool (0 for a model with one pool))."""
     from ferry.worker.engine import SamplingParams
 
     params = SamplingParams(max_tokens=4 * window, temperature=0.0, ignore_eos=True)
@@ -82,8 +95,11 @@ def _run(llm, window: int, prompt_tokens: int) -> list[tuple[int, int]]:
     steps = []
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
+        request = llm.engine.scheduler.requests.get("window")
+        if request is None:  # finished: its blocks went back
+            break
         in_window = 0 if windowed is None else windowed.num_blocks - windowed.num_free_blocks
-        steps.append((main.num_blocks - main.num_free_blocks, in_window))
+        steps.append((request.num_computed_tokens, main.num_blocks - main.num_free_blocks, in_window))
     return steps
 
 

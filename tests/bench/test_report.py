@@ -173,3 +173,32 @@ def test_model_families_rows_set_ferry_against_transformers_per_family_and_batch
         ("output tok/s, llama (12 layers), batch 32", "transformers generate", 3.0),
     ]
     assert "model_families" in report.SUITE_NAMES
+
+
+WINDOW_KV = {
+    "machine": {"cpu": "x"},
+    "results": [
+        {"family": "mistral", "window": 64, "block_size": 16, "sequence_tokens": 272, "layers": 2,
+         "kv_layer_blocks_held": 10, "kv_layer_blocks_without_release": 34,
+         "series_tokens_and_layer_blocks": [[16, 2], [80, 10], [271, 10]]},
+        {"family": "gemma2", "window": 64, "block_size": 16, "sequence_tokens": 272, "layers": 4, "full_layers": 2,
+         "window_layers": 2, "kv_layer_blocks_held": 44, "kv_layer_blocks_without_release": 68,
+         "series_tokens_and_layer_blocks": [[16, 4], [80, 20], [271, 44]]},
+    ],
+}
+
+
+def test_window_kv_rows_set_the_kv_held_against_every_block_kept_and_draw_the_growth(tmp_path):
+    rows = report.rows_for("window_kv", WINDOW_KV)
+    assert [(r.metric, r.baseline_name, round(r.factor, 2)) for r in rows] == [
+        ("KV held (layer-blocks), mistral (every layer windowed), 272 tokens past a 64-token window",
+         "every block kept", 3.4),
+        ("KV held (layer-blocks), gemma2 (full + windowed layers), 272 tokens past a 64-token window",
+         "every block kept", 1.55),
+    ]
+    assert "window_kv" in report.SUITE_NAMES
+    pytest.importorskip("matplotlib")
+    from bench.plots import render_all
+
+    [path] = render_all({"window_kv": WINDOW_KV}, tmp_path)
+    assert path.name == "window_kv.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
