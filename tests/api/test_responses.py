@@ -6,6 +6,9 @@ stream from a sequence number, and a conversation chains through previous_respon
 from __future__ import annotations
 
 import json
+import os
+import signal
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -133,13 +136,26 @@ def test_another_tenant_never_sees_a_response(client, stack):
             other.responses.create(model=MODEL, input="x", previous_response_id=r.id, max_output_tokens=4)
 
 
-def test_cancel_and_delete(client):
+def _process_state(pid: int) -> str:
+    """The one-letter state /proc gives a process ("T": stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_cancel_and_delete(client, stack):
     live = client.responses.create(model=MODEL, input="a", max_output_tokens=4, **GREEDY)
     with pytest.raises(openai.ConflictError):
         client.responses.cancel(live.id)  # only a background response can be cancelled
-    queued = client.responses.create(model=MODEL, input="Write a long story", max_output_tokens=2000,
-                                     background=True, **GREEDY)
-    cancelled = client.responses.cancel(queued.id)
+    # The worker stopped (SIGSTOP) from before the response is created until it is cancelled: the
+    # tiny model could otherwise end it (its EOS comes in about 140 tokens) before the cancel lands.
+    worker = stack.procs["worker"].popen
+    try:
+        os.killpg(worker.pid, signal.SIGSTOP)
+        wait_until(lambda: _process_state(worker.pid) == "T", 10, "the worker to stop")
+        queued = client.responses.create(model=MODEL, input="Write a long story", max_output_tokens=2000,
+                                         background=True, **GREEDY)
+        cancelled = client.responses.cancel(queued.id)
+    finally:
+        os.killpg(worker.pid, signal.SIGCONT)
     assert cancelled.status == "cancelled"
     stream = events_of(client.responses.retrieve(queued.id, stream=True))
     check_gapless(stream)
