@@ -68,7 +68,7 @@ class _WrongProduct(PackedLinear):
 
 
 def test_packing_that_moves_the_logits_is_undone(tiny_model_factory, monkeypatch):
-    monkeypatch.setattr("ferry.worker.models.fallback.PackedLinear", _WrongProduct)
+    monkeypatch.setattr("ferry.worker.models.llama.PackedLinear", _WrongProduct)
     model_dir = tiny_model_factory("olmo2")
     llm = LLM(str(model_dir))
     model = llm.engine.runner.model

@@ -25,7 +25,7 @@ from ferry.worker.engine.request import Request
 from ferry.worker.engine.scheduler import Scheduler, SchedulerOutput
 from ferry.worker.engine.spec.decode import SpecDecoder, SpecDecodeStats
 from ferry.worker.engine.spec.proposers import DraftProposer, NgramProposer
-from ferry.worker.models.kv_split import kv_split
+from ferry.worker.models.kv_split import kv_split, may_release_behind_windows
 
 _COMPILE_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar to compile
 
@@ -224,9 +224,8 @@ def _kv_manager(config: EngineConfig, model: LoadedModel) -> KVCacheManager | Hy
 def _kv_window(model: LoadedModel) -> int | None:
     """How far back any layer reads KV, where every layer of the model has a sliding window (its
     widest): the KV manager releases blocks before it. None where some layer attends over the
-    whole context, or something else reads old blocks: a draft model (it shares the block tables),
-    LongRoPE (it recomputes a sequence from its first token at the switch)."""
+    whole context, or something else reads old blocks (`may_release_behind_windows`)."""
     windows = model.arch.layer_windows
-    if not windows or None in windows or model.draft is not None or model.arch.rope.long_inv_freq is not None:
+    if not windows or None in windows or not may_release_behind_windows(model.arch, model.draft is not None):
         return None
     return max(windows)

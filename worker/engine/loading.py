@@ -28,7 +28,7 @@ from ferry.worker.engine.prefix_io import KV_LAYOUT, KVLayout
 from ferry.worker.engine.spec.proposers import load_draft
 from ferry.worker.models.config import ModelArch, UnsupportedModelError
 from ferry.worker.models.fallback import fallback_arch
-from ferry.worker.models.kv_split import kv_split
+from ferry.worker.models.kv_split import kv_split, may_release_behind_windows
 from ferry.worker.models.loader import gguf_file, load_model, parse_dtype, resolve_model_path
 from ferry.worker.models.lora_layers import attach_lora
 from ferry.worker.models.quantization import Quantization, resolve_quantization
@@ -214,10 +214,8 @@ def _start_executor(config: EngineConfig, spec: RankSpec, device: torch.device, 
     ranks_per_host = shard.size if device.type == "cpu" else 1
     num_blocks = kv_budget_bytes(config.kv_cache_bytes, device, max_model_len, block_size, config.max_num_seqs,
                                  bytes_per_block, ranks_per_host) // bytes_per_block
-    # A hybrid model's windowed layers get a pool of their own, which releases blocks out of the
-    # window. Not with a draft model (it shares the main pool's block tables) or LongRoPE (it
-    # recomputes a sequence from its first token at the switch).
-    split = kv_split(arch) if draft is None and arch.rope.long_inv_freq is None else None
+    # A hybrid model's windowed layers get a pool of their own, which releases blocks out of the window.
+    split = kv_split(arch) if may_release_behind_windows(arch, draft is not None) else None
 
     def pools(count: int) -> tuple[int, int]:  # from the smallest of every rank's counts
         if count * block_size < max_model_len:

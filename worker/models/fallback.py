@@ -32,7 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ferry.kernels import ops
 from ferry.kernels.ops import AttentionMetadata
 from ferry.worker.models.config import ModelArch, RopeConfig, UnsupportedModelError, rope_parameters
-from ferry.worker.models.llama import PackedLinear
+from ferry.worker.models.llama import swap_in_packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +203,18 @@ _CHECK_IDS = 4  # tokens the load-time logit checks run
 @torch.inference_mode()
 def _logits(model: FallbackModel) -> torch.Tensor:
     """Decoder + head + the known logit processing on a few tokens (eager attention)."""
-    ids = torch.arange(1, 1 + _CHECK_IDS, device=model.hf.device)[None] % model.arch.vocab_size
-    return model.compute_logits(model.decoder(input_ids=ids, use_cache=False).last_hidden_state[0])
+    return model.compute_logits(model.decoder(input_ids=_check_ids(model), use_cache=False).last_hidden_state[0])
+
+
+def _check_ids(model: FallbackModel) -> torch.Tensor:  # [1, _CHECK_IDS] int64
+    return torch.arange(1, 1 + _CHECK_IDS, device=model.hf.device)[None] % model.arch.vocab_size
 
 
 @torch.inference_mode()
 def _check_logits(model: FallbackModel) -> torch.Tensor:
     """transformers' forward (eager attention) against decoder + head + the known logit processing on a few
     tokens: a model whose head does something else is refused rather than served wrong. Returns the logits."""
-    ids = torch.arange(1, 1 + _CHECK_IDS, device=model.head.weight.device)[None] % model.arch.vocab_size
-    expected = model.hf(input_ids=ids, use_cache=False).logits[0].float()
+    expected = model.hf(input_ids=_check_ids(model), use_cache=False).logits[0].float()
     got = _logits(model)
     if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
         raise UnsupportedModelError(
@@ -225,15 +227,7 @@ def _pack_linears(model: FallbackModel, expected: torch.Tensor) -> int:
     """Swap every plain nn.Linear of the model for a PackedLinear where the CPU backend packs its
     weight; undone (returning 0) where the logits then differ from `expected` or the forward fails
     (modeling code that reads a Linear's weight tensor itself). Returns how many were swapped."""
-    swapped = []  # (parent module, attribute, the original Linear)
-    for parent in list(model.hf.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            packed = ops.pack_linear_weight(child.weight.detach())
-            if packed is not None:
-                setattr(parent, name, PackedLinear(packed, child.bias))
-                swapped.append((parent, name, child))
+    swapped = swap_in_packed_linears(model.hf)
     if not swapped:
         return 0
     model.head = model.hf.get_output_embeddings()

@@ -30,6 +30,12 @@ class KVSplit:
         return False, self.full_layers.index(layer)
 
 
+def may_release_behind_windows(arch: ModelArch, has_draft: bool) -> bool:
+    """Whether KV blocks behind the windows may be released at all: not with a draft model (it
+    shares the block tables) or LongRoPE (it recomputes a sequence from its first token at the switch)."""
+    return not has_draft and arch.rope.long_inv_freq is None
+
+
 def kv_split(arch: ModelArch) -> KVSplit | None:
     """The split of a model with both kinds of layers; None where every layer is one kind."""
     windows = arch.layer_windows

@@ -53,6 +53,21 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {form}"
 
 
+def swap_in_packed_linears(root: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Replace every plain nn.Linear under `root` by a PackedLinear where the kernel dispatch packs
+    its weight (float32 on the cpu backend). Returns (parent, attribute, the original) per swap."""
+    swapped = []
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            packed = ops.pack_linear_weight(child.weight.detach())
+            if packed is not None:
+                setattr(parent, name, PackedLinear(packed, child.bias))
+                swapped.append((parent, name, child))
+    return swapped
+
+
 class QuantizedEmbedding(nn.Module):
     """An embedding table kept quantized (a GGUF's, often also the tied LM head): a lookup
     dequantizes only the rows asked for."""
@@ -257,14 +272,7 @@ class LlamaModel(nn.Module):
         product for its weight (float32 on the cpu backend), and pack the LM head beside its
         tensor (the embedding lookup still reads a tied one). Call once the weights are loaded;
         returns the number of matrices packed."""
-        count = 0
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    packed = ops.pack_linear_weight(child.weight)
-                    if packed is not None:
-                        setattr(module, name, PackedLinear(packed, child.bias))
-                        count += 1
+        count = len(swap_in_packed_linears(self))
         count += sum(module.pack() for module in self.modules() if isinstance(module, Experts))
         head = self.lm_head_weight
         self.lm_head_packed = ops.pack_linear_weight(head) if isinstance(head, torch.Tensor) else None
