@@ -51,6 +51,7 @@ _SOURCES = [
         "linear_cpu.cpp",
         "quantized_linear_cpu.cpp",
         "quantized_linear_vnni.cpp",
+        "quantized_linear_amx.cpp",
         "quantized_linear_int16_avx2.cpp",
         "quantized_rows_cpu.cpp",
         "decoder_stack_cpu.cpp",
@@ -69,17 +70,30 @@ _ISA_FLAGS = {
 # reads the CPU's flags, builds with -mavx512vnni only where they list it, and names its cache
 # entry after it: a machine without it builds and loads its own entry, never this one.
 _VNNI_FLAGS = ["-mavx512vnni"]
+# AMX-INT8 (Sapphire Rapids and later) runs the many-rows quantized product on the tile unit
+# (csrc/quantized_linear_amx.cpp), in a cache entry of its own the same way. GCC never emits tile
+# instructions by itself, so the flags reach only that kernel's intrinsics.
+_AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]
 
 
-def _cpu_has_vnni() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    return "avx512_vnni" in line.split()
+                    return set(line.split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def _cpu_has_vnni() -> bool:
+    return "avx512_vnni" in _cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """Whether /proc/cpuinfo lists AMX's tile and int8 units (Sapphire Rapids and later)."""
+    return {"amx_tile", "amx_int8"} <= _cpu_flags()
 
 
 _lock = threading.Lock()
@@ -106,9 +120,12 @@ def load():
             isa = torch.backends.cpu.get_cpu_capability()
             flags = list(_ISA_FLAGS.get(isa, []))
             vnni = isa == "AVX512" and _cpu_has_vnni()
+            amx = vnni and cpu_has_amx()
             if vnni:
                 flags += _VNNI_FLAGS
-            name = f"ferry_cpu_kernels_{isa.lower()}{'_vnni' if vnni else ''}"
+            if amx:
+                flags += _AMX_FLAGS
+            name = f"ferry_cpu_kernels_{isa.lower()}{'_vnni' if vnni else ''}{'_amx' if amx else ''}"
             torch_version = torch.__version__.replace("+", "-")
             # One build directory per checkout: torch rebuilds whenever the source paths differ from
             # the last build's, so two checkouts sharing one directory rebuilt each other's in turn.

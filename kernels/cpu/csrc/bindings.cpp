@@ -19,6 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether linear_quantized was built (AVX2, F16C)");
   m.def("linear_quantized_vnni", &ferry::linear_quantized_vnni,
         "whether linear_quantized runs on AVX512_VNNI (vpdpwssd) rather than AVX2 (vpmaddwd): the same floats");
+  m.def("linear_quantized_amx", &ferry::linear_quantized_amx,
+        "whether products of several rows run on AMX's tile unit (the same floats as vpdpwssd)");
+  m.def("set_linear_quantized_amx", &ferry::set_linear_quantized_amx,
+        "switch the AMX path off (False) or back on; returns whether it now runs");
+  m.def("linear_quantized_amx_products", &ferry::linear_quantized_amx_products,
+        "how many products this process has run on AMX");
   m.def("linear_quantized", &ferry::linear_quantized, "x @ W^T (+ b) with W in GGUF blocks, regrouped into 8-row tiles",
         release());
   m.def("quantized_rows", &ferry::quantized_rows, "rows of a weight in GGUF tiles as float32 (embedding lookup)",

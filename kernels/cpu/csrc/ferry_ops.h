@@ -28,6 +28,11 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels,
                             const c10::optional<torch::Tensor>& out = c10::nullopt);
 bool linear_quantized_supported();
 bool linear_quantized_vnni();
+// Whether products of several rows run on AMX (a build for a CPU with AMX-INT8, and Linux granted
+// the tile state); set_...: switch it off or back on (tests compare both paths), returns the new state.
+bool linear_quantized_amx();
+bool set_linear_quantized_amx(bool enabled);
+int64_t linear_quantized_amx_products();  // products run on AMX so far in this process
 torch::Tensor linear_quantized(const torch::Tensor& x, const torch::Tensor& tiles, const std::string& qtype,
                                int64_t out_features, const c10::optional<torch::Tensor>& bias,
                                const c10::optional<torch::Tensor>& out = c10::nullopt);

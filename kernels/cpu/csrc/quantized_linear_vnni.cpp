@@ -58,6 +58,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quantized_amx.h"
 #include "quantized_avx2.h"
 #include "quantized_tiles.h"
 #include "quantized_unpack_vnni.h"
@@ -427,6 +428,10 @@ void linear_int16(Format format, const float* x, int64_t x_stride, int64_t M, co
   std::vector<int16_t> xq(M * blocks * kBlock);
   std::vector<float> xscale(M * blocks);
   quantize_rows(x, x_stride, M, blocks, xq.data(), xscale.data());
+#ifdef FERRY_QUANTIZED_AMX
+  if (M >= kAmxMinRows && amx_format(format) && amx_ready())
+    return linear_int16_amx(format, xq.data(), xscale.data(), xsum, M, tiles, num_groups, blocks, bias, out, N);
+#endif
   dispatch_format(format, [&](auto f) {
     product<decltype(f)::value>(xq.data(), xscale.data(), xsum, M, tiles, num_groups, blocks, bias, out, N);
   });

@@ -16,6 +16,10 @@
     defined(__AVX512VNNI__)
 #define FERRY_QUANTIZED_VNNI 1
 #endif
+// The many-rows product on the tile unit (quantized_linear_amx.cpp): AMX-INT8 beside VNNI.
+#if defined(FERRY_QUANTIZED_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define FERRY_QUANTIZED_AMX 1
+#endif
 
 namespace ferry::quantized {
 

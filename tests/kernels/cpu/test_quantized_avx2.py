@@ -39,13 +39,14 @@ CHILD = textwrap.dedent(
 )
 
 
-def inputs():
-    """(qtype, shape, rows) -> (packed weight, dequantized weight, x, bias), the same in both processes."""
+def inputs(shapes=SHAPES, row_counts=ROWS):
+    """(qtype, out_features, rows) -> (packed weight, dequantized weight, x, bias), the same in both
+    processes (and in test_quantized_amx.py, over its own shapes and row counts)."""
     for qtype in QTYPES:
-        for out_features, in_features in SHAPES:
+        for out_features, in_features in shapes:
             in_features = fit(qtype, in_features)
             weight, dequantized = gguf_weight(out_features, in_features, qtype, seed=out_features + in_features)
-            for rows in ROWS:
+            for rows in row_counts:
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
                 bias = torch.randn(out_features, generator=torch.Generator().manual_seed(rows + 1))
                 yield (qtype, out_features, rows), weight, dequantized, x, bias
