@@ -11,8 +11,15 @@ bundled SmolLM2-135M-Instruct Q4_1):
                Python of a separate virtual environment (`--tools-python`, default .venv-tools/);
                where that environment or the package is missing it is built there first
                (`pip install llama-cpp-python==0.3.36`, from /tmp/pkgs/ when a source archive is
-               there, with -DGGML_NATIVE=ON). If it cannot be built the baseline is skipped and
-               the JSON says why.
+               there), with `--llama-cpp-isa`'s CMake flags: `native` (-DGGML_NATIVE=ON: all this
+               CPU has), `avx512` (AVX-512 with VNNI and BF16 but not AMX: llama-cpp-python
+               0.3.36's AMX path crashed (SIGSEGV) on the first decode of SmolLM2 on a Sapphire
+               Rapids-class Xeon) or `avx2` (as on an AVX2-only CPU: no AVX-512, AVX-VNNI or
+               AMX), each in its own environment (.venv-tools/, .venv-tools-avx512/,
+               .venv-tools-avx2/). The default follows Ferry's side: avx2 when torch is held to
+               AVX2 (`ATEN_CPU_CAPABILITY=avx2`), so an AVX2 row sets the two projects' AVX2
+               kernels against each other; avx512 on a CPU with AMX; else native. If it cannot be
+               built the baseline is skipped and the JSON says why.
 
 Workloads (greedy, EOS ignored, `--tokens` new tokens per request, default 256):
   batch1   one request at a time
@@ -33,7 +40,7 @@ Threads: `--threads` (default 2) for torch and for llama.cpp alike.
     python -m bench.quantized                     # batch 1 and 32, 256 tokens
     python -m bench.quantized --quick             # 64 tokens, batch 8, no repeats
     python -m bench.quantized --variant Q4_K_M    # the K-quant mix people download
-    ATEN_CPU_CAPABILITY=avx2 python -m bench.quantized --variant Q4_K_M   # the AVX2 kernels
+    ATEN_CPU_CAPABILITY=avx2 python -m bench.quantized --variant Q4_K_M   # both projects' AVX2 kernels
 """
 
 from __future__ import annotations
@@ -55,6 +62,17 @@ from bench.gguf_variants import bench_model, tensor_bytes, tensor_types
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 LLAMA_CPP_ARCHIVE = Path("/tmp/pkgs/llama_cpp_python-0.3.36.tar.gz")
+# CMake flags per llama.cpp build (--llama-cpp-isa). avx2 is what an AVX2-only CPU (Zen 2/3,
+# Haswell to Skylake client) compiles natively: AVX2, FMA, F16C and BMI2, none of AVX-512, AVX-VNNI or AMX.
+LLAMA_CPP_CMAKE = {
+    "native": "-DGGML_NATIVE=ON",
+    "avx512": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+              "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+              "-DGGML_AMX_INT8=OFF",
+    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+            "-DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_INT8=OFF",
+}
+TOOLS_VENV = {"native": ".venv-tools", "avx512": ".venv-tools-avx512", "avx2": ".venv-tools-avx2"}
 PROMPT = "Write a short story about a ferry that crosses a wide river every morning."
 
 # Run by the tools environment's Python: argv = model, threads, tokens, repeats; prints one JSON line.
@@ -89,13 +107,32 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tools-python", default=str(REPO / ".venv-tools" / "bin" / "python"))
+    parser.add_argument("--tools-python", default=None,
+                        help="the llama.cpp baseline's Python (default: .venv-tools/ or, for --llama-cpp-isa avx2, "
+                             ".venv-tools-avx2/)")
+    parser.add_argument("--llama-cpp-isa", choices=sorted(LLAMA_CPP_CMAKE), default=None,
+                        help="llama.cpp's build: native, avx512 (no AMX) or avx2 as on an AVX2-only CPU "
+                             "(default: avx2 when torch is held to AVX2, avx512 on a CPU with AMX, else native)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp baseline")
     parser.add_argument("--quick", action="store_true", help="64 tokens, batch 8")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.batch, args.repeats = 64, 8, 1
+    if args.llama_cpp_isa is None:
+        args.llama_cpp_isa = default_llama_cpp_isa()
+    if args.tools_python is None:
+        args.tools_python = str(REPO / TOOLS_VENV[args.llama_cpp_isa] / "bin" / "python")
     return args
+
+
+def default_llama_cpp_isa() -> str:
+    """avx2 when torch runs AVX2 code, avx512 where the CPU has AMX (llama.cpp's AMX path crashed
+    there), else native."""
+    from ferry.kernels.cpu import native
+
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return "avx2"
+    return "avx512" if native.cpu_has_amx() else "native"
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -119,9 +156,9 @@ def ferry_run(llm, prompts: list[str], tokens: int) -> tuple[float, list[list[in
     return time.perf_counter() - start, [o.token_ids for o in outputs]
 
 
-def tools_python(path: str) -> tuple[Path | None, str | None]:
-    """The tools environment's Python with llama-cpp-python importable, building it if needed;
-    (None, why) when that fails."""
+def tools_python(path: str, isa: str = "native") -> tuple[Path | None, str | None]:
+    """The tools environment's Python with llama-cpp-python importable, building it if needed
+    with `isa`'s CMake flags (LLAMA_CPP_CMAKE); (None, why) when that fails."""
     python = Path(path)
     if not python.exists():
         venv = python.parent.parent
@@ -133,7 +170,7 @@ def tools_python(path: str) -> tuple[Path | None, str | None]:
         return python, None
     source = str(LLAMA_CPP_ARCHIVE) if LLAMA_CPP_ARCHIVE.exists() else LLAMA_CPP
     tqdm.write(f"llama.cpp baseline: building {source} (several minutes on first use)")
-    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+    env = {**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE[isa]}
     built = subprocess.run([str(python), "-m", "pip", "install", "-q", source], capture_output=True, text=True, env=env)
     if built.returncode:
         return None, f"pip install {source} failed: {built.stderr.strip()[-300:]}"
@@ -146,8 +183,8 @@ def llama_cpp_run(python: Path, model: Path, args: argparse.Namespace) -> dict:
          PROMPT],
         capture_output=True, text=True,
     )
-    if done.returncode:
-        raise RuntimeError(done.stderr.strip()[-500:])
+    if done.returncode:  # negative: killed by that signal (llama.cpp's AMX path died of SIGSEGV on one Xeon)
+        raise RuntimeError(f"exit status {done.returncode}: {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -188,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         llama_cpp_note = None
         if not args.no_llama_cpp:
             bar.set_postfix_str("llama.cpp batch1")
-            python, llama_cpp_note = tools_python(args.tools_python)
+            python, llama_cpp_note = tools_python(args.tools_python, args.llama_cpp_isa)
             if python is not None:
                 try:
                     run = llama_cpp_run(python, model, args)
@@ -225,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     file_mb = tensor_bytes(model) / 1e6
     factors["gguf_resident_over_file_tensors_ratio"] = round(results["ferry-gguf"]["weight_mb"] / file_mb, 3)
     vnni = bool(native.load() and native.load().linear_quantized_vnni())
+    amx = bool(native.load() and native.load().linear_quantized_amx())
     # One result file per file type and kernel, so the README keeps the Q4_1 rows beside the K-quant ones.
     suite = "quantized" + (f"_{args.variant.lower()}" if args.variant else "") + ("" if vnni else "_avx2")
     path = write_result(
@@ -232,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "settings": {"model": model.name, "tokens": args.tokens, "batch": args.batch, "repeats": args.repeats,
                          "threads": args.threads, "prompt": PROMPT},
-            "kernel": "int16 activations (AVX512_VNNI)" if vnni else
+            "kernel": ("int16 activations (AVX512_VNNI" + (", AMX-INT8 from 24 rows)" if amx else ")")) if vnni else
                       f"int16 activations ({torch.backends.cpu.get_cpu_capability()})",
             "file": {"tensor_mb": round(file_mb, 1), "matrix_types": dict(tensor_types(model))},
             "results": results,
@@ -241,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             "same_greedy_tokens_batched": sum(a == b for a, b in zip(tokens[f"ferry-gguf/{big}"],
                                                                      tokens[f"ferry-fp32/{big}"], strict=True)),
             "llama_cpp": llama_cpp_note or "ran",
+            "llama_cpp_build": {"isa": args.llama_cpp_isa, "cmake_args": LLAMA_CPP_CMAKE[args.llama_cpp_isa]},
         },
     )
     print(f"wrote {path}")

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "settings": {"model": str(model), "tokens": args.tokens, "prompts": len(PROMPTS)},
         "vnni": bool(module and module.linear_quantized_vnni()),
+        "amx": bool(module and module.linear_quantized_amx()),  # products of 24+ rows on the tile unit: the same floats
         "same_greedy_tokens": len(PROMPTS) - len(differing),
         "first_difference_by_prompt": differing,
         "perplexity_fp32": ppl["none"],

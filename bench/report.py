@@ -209,11 +209,14 @@ def quantized_rows(data: dict) -> list[Row]:
     kind += " GGUF" + (" (AVX2 kernels)" if kernel.startswith("float32") or kernel.endswith("(AVX2)") else "")
     gguf, fp32 = results.get("ferry-gguf", {}), results.get("ferry-fp32", {})
     llama = _get(results, "llama.cpp", "batch1", "tokens_per_s")
+    # Which llama.cpp build ran (bench.quantized --llama-cpp-isa; older results: its native build).
+    isa = _get(data, "llama_cpp_build", "isa")
+    llama_cpp = "llama.cpp" + (f" ({isa.upper()} build)" if isa and isa != "native" else "")
     rows = [
         Row("quantized", f"output tok/s, {kind}, batch 1", _get(gguf, "batch1", "tokens_per_s"), llama,
-            "llama.cpp, one request", True),
+            f"{llama_cpp}, one request", True),
         Row("quantized", f"output tok/s, {kind}, {big.replace('batch', 'batch ')}",
-            _get(gguf, big, "tokens_per_s"), llama, "llama.cpp, one request at a time", True),
+            _get(gguf, big, "tokens_per_s"), llama, f"{llama_cpp}, one request at a time", True),
         Row("quantized", f"output tok/s, {kind} kept quantized, batch 1", _get(gguf, "batch1", "tokens_per_s"),
             _get(fp32, "batch1", "tokens_per_s"), "Ferry float32 (dequantized)", True),
         Row("quantized", f"output tok/s, {kind} kept quantized, {big.replace('batch', 'batch ')}",

@@ -175,6 +175,26 @@ def test_model_families_rows_set_ferry_against_transformers_per_family_and_batch
     assert "model_families" in report.SUITE_NAMES
 
 
+def test_quantized_rows_name_the_llama_cpp_build_that_ran():
+    data = {
+        "settings": {"batch": 32, "model": "SmolLM2-135M-Instruct.Q4_K_M.gguf"},
+        "kernel": "int16 activations (AVX2)",
+        "results": {"ferry-gguf": {"weight_mb": 104.0, "batch1": {"tokens_per_s": 150.0},
+                                   "batch32": {"tokens_per_s": 450.0}},
+                    "ferry-fp32": {"weight_mb": 538.0, "batch1": {"tokens_per_s": 50.0},
+                                   "batch32": {"tokens_per_s": 400.0}},
+                    "llama.cpp": {"batch1": {"tokens_per_s": 75.0}}},
+        "llama_cpp_build": {"isa": "avx2", "cmake_args": "-DGGML_NATIVE=OFF ..."},
+    }
+    rows = report.rows_for("quantized_q4_k_m_avx2", data)
+    assert [(r.metric, r.baseline_name, r.factor) for r in rows[:2]] == [
+        ("output tok/s, Q4_K_M GGUF (AVX2 kernels), batch 1", "llama.cpp (AVX2 build), one request", 2.0),
+        ("output tok/s, Q4_K_M GGUF (AVX2 kernels), batch 32", "llama.cpp (AVX2 build), one request at a time", 6.0),
+    ]
+    del data["llama_cpp_build"]  # results written before the option: llama.cpp's native build
+    assert report.rows_for("quantized_q4_k_m_avx2", data)[0].baseline_name == "llama.cpp, one request"
+
+
 WINDOW_KV = {
     "machine": {"cpu": "x"},
     "results": [
