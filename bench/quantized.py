@@ -108,8 +108,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tools-python", default=None,
-                        help="the llama.cpp baseline's Python (default: .venv-tools/ or, for --llama-cpp-isa avx2, "
-                             ".venv-tools-avx2/)")
+                        help="the llama.cpp baseline's Python (default: the --llama-cpp-isa build's own "
+                             "environment, TOOLS_VENV)")
     parser.add_argument("--llama-cpp-isa", choices=sorted(LLAMA_CPP_CMAKE), default=None,
                         help="llama.cpp's build: native, avx512 (no AMX) or avx2 as on an AVX2-only CPU "
                              "(default: avx2 when torch is held to AVX2, avx512 on a CPU with AMX, else native)")
