@@ -9,6 +9,8 @@ the build matches the CPU)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,7 +21,10 @@ from tests.kernels.cpu.test_quantized_avx2 import inputs
 SHAPES = [(13, 32), (40, 96), (100, 576), (24, 1536), (37, 256)]
 ROWS = (24, 31, 32, 33, 47, 70)  # one and two row tiles, full and partial, and several steps
 
-requires_amx = pytest.mark.skipif(not native.cpu_has_amx(), reason="the CPU has no AMX-INT8 (tile unit)")
+# Runs where the products do take the tile unit: the CPU has AMX-INT8 and Linux granted the tile
+# state (5.16 and later); the first test fails where the CPU has it and the path is still off.
+requires_amx = pytest.mark.skipif(not native.load().linear_quantized_amx(),
+                                  reason="no AMX-INT8 on this CPU (or Linux refused the tile state)")
 
 
 def _cpu_flags() -> list[str]:
@@ -31,7 +36,11 @@ def test_the_amx_product_is_built_exactly_where_the_cpu_has_amx():
     flags = _cpu_flags()
     expected = (torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in flags
                 and "amx_tile" in flags and "amx_int8" in flags)
-    assert native.load().linear_quantized_amx() == expected
+    module = native.load()
+    assert module.__name__.endswith("_amx") == expected  # the cache entry built with -mamx-tile -mamx-int8
+    kernel = tuple(int(part) for part in os.uname().release.split(".")[:2])
+    if expected and kernel >= (5, 16):  # Linux grants the tile state on request from 5.16
+        assert module.linear_quantized_amx()
 
 
 @pytest.fixture
