@@ -69,10 +69,8 @@ struct alignas(64) TileConfig {
 // 32 bytes = columns c .. c+3 of a tile's 8 rows (8 bytes a column, as a Q8_0 plane) into AMX's
 // B order for those 4 columns: row i's 4 bytes side by side (16 bytes for rows 0..3, then 4..7).
 inline void columns_to_b(__m256i columns, uint8_t* b_row) {
-  // Within each 128-bit lane: (c, c+1) pairs per row (lane 1: (c+2, c+3)), then word-interleaved.
-  const __m256i pairs = _mm256_shuffle_epi8(columns, _mm256_set_epi8(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8,
-                                                                     0, 15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9,
-                                                                     1, 8, 0));
+  // (c, c+1) pairs per row in lane 0, (c+2, c+3) in lane 1, then the two lanes word-interleaved.
+  const __m256i pairs = vnni::interleave_halves(columns);
   const __m128i first = _mm256_castsi256_si128(pairs), second = _mm256_extracti128_si256(pairs, 1);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(b_row), _mm_unpacklo_epi16(first, second));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(b_row + 16), _mm_unpackhi_epi16(first, second));
@@ -132,7 +130,7 @@ void configure(int64_t rows) {
 template <Format F>
 void product_amx(const int16_t* xq, const float* xscale, const float* xsum, int64_t M, const uint8_t* tiles,
                  int64_t num_groups, int64_t blocks, const float* bias, float* out, int64_t N) {
-  static_assert(F != Format::kQ6_K, "Q6_K's half-block scales keep it on vpdpwssd");
+  static_assert(amx_format(F), "Q6_K's half-block scales keep it on vpdpwssd");
   const int64_t group_stride = blocks * tile_bytes(F), x_stride = blocks * 64;
   // Rounded up to 32 rows, zeros after M: a last step's second tile may read past M (its sums
   // for those rows are never folded).
@@ -225,8 +223,9 @@ void linear_int16_amx(Format format, const int16_t* xq, const float* xscale, con
                       const uint8_t* tiles, int64_t num_groups, int64_t blocks, const float* bias, float* out,
                       int64_t N) {
   amx_products.fetch_add(1, std::memory_order_relaxed);
+  TORCH_CHECK(amx_format(format), "the AMX product does not take this format (amx_format)");
   dispatch_format(format, [&](auto f) {
-    if constexpr (decltype(f)::value != Format::kQ6_K)
+    if constexpr (amx_format(decltype(f)::value))
       product_amx<decltype(f)::value>(xq, xscale, xsum, M, tiles, num_groups, blocks, bias, out, N);
   });
 }

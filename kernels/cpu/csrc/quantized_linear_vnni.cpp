@@ -95,13 +95,6 @@ inline __m512i activation_quad(const int16_t* x) {
   return _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
 
-// Each 128-bit lane's bytes 0..7 interleaved with its bytes 8..15: one vpshufb (an unpack of the
-// vector with itself shifted by 8 bytes is two shuffles; one made batch 1 4-5% faster).
-inline __m256i interleave_halves(__m256i v) {
-  return _mm256_shuffle_epi8(v, _mm256_set_epi8(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0,
-                                                15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0));
-}
-
 // activation_quad of x[at + j ..], or with QUADS already shuffled: xq then holds each 4 columns'
 // quad (64 bytes, expand_quads), so batch 1 loads it instead of shuffling it for every 4 groups
 // (4-6% faster at batch 1).
@@ -121,7 +114,7 @@ std::vector<int16_t> expand_quads(const int16_t* xq, int64_t K) {
 // 32 tile bytes (columns c .. c+4 of 8 rows, 8 bytes a column) as 32 int16 in activation_quad's
 // pairing: row i's (c, c+1) in dword i, its (c+2, c+3) in dword 8 + i.
 inline __m512i interleaved_bytes(const uint8_t* quants, bool is_signed) {
-  const __m256i pairs = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants)));
+  const __m256i pairs = vnni::interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants)));
   return is_signed ? _mm512_cvtepi8_epi16(pairs) : _mm512_cvtepu8_epi16(pairs);
 }
 
@@ -223,7 +216,7 @@ inline __m512i pair_columns(const uint8_t* quants, const uint8_t* next_quants, b
   const __m256i v = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quants))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(next_quants)), 1);
-  const __m256i pairs = interleave_halves(v);
+  const __m256i pairs = vnni::interleave_halves(v);
   return is_signed ? _mm512_cvtepi8_epi16(pairs) : _mm512_cvtepu8_epi16(pairs);
 }
 

@@ -18,6 +18,15 @@ struct HighBits {
   __m512i v[4];
 };
 
+// Each 128-bit lane's bytes 0..7 interleaved with its bytes 8..15: one vpshufb (an unpack of the
+// vector with itself shifted by 8 bytes is two shuffles; one made batch 1 4-5% faster). On a tile
+// plane's 32 bytes (columns c .. c+3, 8 rows each) it pairs each row's columns (c, c+1) in lane 0
+// and (c+2, c+3) in lane 1: the VNNI kernels' int16 pairs and the AMX kernel's byte quads.
+inline __m256i interleave_halves(__m256i v) {
+  return _mm256_shuffle_epi8(v, _mm256_set_epi8(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0,
+                                                15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0));
+}
+
 // Each dword = its low (high) word twice: vpshufb within 128-bit lanes.
 inline __m512i duplicate_low_words(__m512i h) {
   return _mm512_shuffle_epi8(h, _mm512_set4_epi32(0x0D0C0D0C, 0x09080908, 0x05040504, 0x01000100));
